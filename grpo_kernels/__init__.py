@@ -1,0 +1,16 @@
+"""grpo-kernels: the GRPO loss family from logits in one read, exact next to a float64 oracle."""
+
+from .advantages import group_advantages
+from .api import GRPOLoss, GRPOOutput, grpo_loss, selective_log_softmax
+from .config import LOSS_TYPES, LossConfig
+
+__all__ = [
+    "GRPOLoss",
+    "GRPOOutput",
+    "LOSS_TYPES",
+    "LossConfig",
+    "group_advantages",
+    "grpo_loss",
+    "selective_log_softmax",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,115 @@
+"""The frozen option set of the GRPO loss family, validated once at the public boundary.
+
+Every backend (Triton, the chunked torch path) and the autograd Function take one `LossConfig` instead of
+two dozen positional arguments. The semantics are those of ../shared/GRPO_SPEC.md (TRL 1.16).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # -min(r A, clip(r) A)
+IS_LEVELS = ("token", "sequence")
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _check_finite_number(name: str, value: object, *, positive: bool = False, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and (value < 0 or (value == 0 and not allow_zero)):
+        raise ValueError(f"{name} must be > 0, got {value}" if not allow_zero else f"{name} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Scalar options of `grpo_loss`; see its docstring for each one."""
+
+    loss_type: str = "grpo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None  # None: equal to epsilon_low, as in TRL
+    delta: float | None = None
+    temperature: float = 1.0
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = False
+    max_completion_length: int | None = None
+    num_items_in_batch: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}"
+            )
+        for name in (
+            "beta",
+            "epsilon_low",
+            "sapo_temperature_pos",
+            "sapo_temperature_neg",
+            "vespo_k_pos",
+            "vespo_lambda_pos",
+            "vespo_k_neg",
+            "vespo_lambda_neg",
+            "top_entropy_quantile",
+            "entropy_coef",
+        ):
+            object.__setattr__(self, name, _check_finite_number(name, getattr(self, name)))
+        for name in ("epsilon_high", "delta", "off_policy_mask_threshold", "num_items_in_batch"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _check_finite_number(name, getattr(self, name)))
+        if self.epsilon_high is None:
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
+        temperature = _check_finite_number("temperature", self.temperature)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        object.__setattr__(self, "temperature", temperature)
+        if self.epsilon_low < 0 or self.epsilon_high < 0:
+            raise ValueError(
+                f"epsilon_low and epsilon_high must be >= 0, got {self.epsilon_low} and {self.epsilon_high}"
+            )
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
+            raise ValueError(
+                "sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+                f"{self.sapo_temperature_pos} and {self.sapo_temperature_neg}"
+            )
+        if self.max_completion_length is not None:
+            if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int):
+                raise TypeError(f"max_completion_length must be an int, got {type(self.max_completion_length).__name__}")
+            if self.max_completion_length <= 0:
+                raise ValueError(f"max_completion_length must be > 0, got {self.max_completion_length}")
+        if self.num_items_in_batch is not None and self.num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got {self.num_items_in_batch}")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise TypeError(f"use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}")
+
+    @property
+    def is_sequence_level(self) -> bool:
+        """True when some quantity needs every token of a sequence before any token's gradient is known."""
+        return (
+            self.importance_sampling_level == "sequence"
+            or self.loss_type == "vespo"
+            or self.off_policy_mask_threshold is not None
+            or self.top_entropy_quantile < 1.0
+        )
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

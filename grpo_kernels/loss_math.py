@@ -1,0 +1,181 @@
+"""The GRPO objective on per-token quantities: (B, T) log-probs and entropies in, loss and metrics out.
+
+The vocabulary-wide work (ℓ, H, ∂logits) lives in the row kernels; everything here is O(B·T) and runs in float64,
+so it is exact next to the fp32 row statistics. Backends call `grpo_objective` with ℓ and H as autograd leaves and
+read g = ∂loss/∂ℓ and h = ∂loss/∂H off their gradients; that is what makes every option of GRPO_SPEC (sequence-level
+ratios, entropy and off-policy masks, vespo) available to every backend. The Triton one-read kernel recomputes the
+token-level subset of this math in registers and uses `aggregation_weights` from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import CLIPPED_LOSS_TYPES, LossConfig
+from .distributed import all_gather_varlen, all_reduce_sum, world_size
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """The per-token constants of the loss, validated and broadcast-ready (float64 unless noted)."""
+
+    advantages: torch.Tensor  # [B, 1] or [B, T]
+    mask: torch.Tensor  # [B, T], 0/1
+    old_logp: torch.Tensor | None  # [B, T]; None: the detached current ℓ
+    ref_logp: torch.Tensor | None  # [B, T]
+    is_ratio: torch.Tensor | None  # [B, 1] or [B, T]
+    sampling_logp: torch.Tensor | None  # [B, T]
+
+
+def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """max(N, 1) / P, N = num_items_in_batch (default: active tokens on all ranks), P = world size."""
+    if cfg.num_items_in_batch is not None:
+        n = torch.tensor(cfg.num_items_in_batch, dtype=torch.float64, device=mask.device)
+    else:
+        n = all_reduce_sum(mask.sum())
+    return n.clamp(min=1.0) / world_size()
+
+
+def aggregation_weights(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """w[b, t] such that the aggregated loss is Σ w·L (the table under 'Aggregation' in GRPO_SPEC)."""
+    batch, length = mask.shape
+    if cfg.loss_type in ("grpo", "sapo"):
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / batch
+    if cfg.loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1.0)
+    if cfg.loss_type == "dr_grpo":
+        return mask / (batch * (cfg.max_completion_length or length))
+    if cfg.loss_type == "luspo":
+        return mask / batch
+    return mask / dapo_normalizer(mask, cfg)  # dapo, cispo, vespo
+
+
+def entropy_bonus_weights(effective_mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """∂loss/∂H of the entropy bonus −c · mean of H over the micro-batch's effective tokens (local, as TRL)."""
+    return -cfg.entropy_coef * effective_mask / effective_mask.sum().clamp(min=1.0)
+
+
+def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    active = all_gather_varlen(entropy[mask.bool()].float())
+    if active.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(active, 1.0 - quantile)
+    return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype)
+
+
+def _gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, inp: TokenInputs, cfg: LossConfig) -> torch.Tensor:
+    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights)."""
+    lower = math.log(1e-8)
+    seq = (log_ratio.clamp(-20.0, 20.0) * inp.mask).sum(-1, keepdim=True)
+    if inp.is_ratio is not None:
+        seq = seq + inp.is_ratio.log().clamp(lower, 20.0).sum(-1, keepdim=True)
+    log_w = seq.clamp(lower, 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def grpo_objective(
+    logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss (0-d, differentiable in `logp` and `entropy`) and TRL's metrics (detached 0-d tensors).
+
+    `logp`, `entropy`: [B, T] float64. Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line.
+    """
+    mask, adv = inp.mask, inp.advantages
+    old = logp.detach() if inp.old_logp is None else inp.old_logp
+    log_ratio = logp - old
+    if cfg.importance_sampling_level == "token":
+        log_w = log_ratio
+    else:  # GSPO: one ratio per sequence, [B, 1]
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_w)
+
+    if cfg.beta != 0.0:
+        kl = torch.exp(inp.ref_logp - logp) - (inp.ref_logp - logp) - 1
+        if cfg.use_bias_correction_kl:
+            kl = kl * ratio
+
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * logp
+    elif cfg.loss_type in CLIPPED_LOSS_TYPES:
+        clipped = torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+        if cfg.delta is not None:
+            ratio = torch.clamp(ratio, max=cfg.delta)  # the clip metrics below see this, as in TRL
+        per_token = -torch.min(ratio * adv, clipped * adv)
+    elif cfg.loss_type == "sapo":
+        temps = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        per_token = -torch.sigmoid(temps * (ratio - 1)) * 4 / temps * adv
+    else:  # vespo
+        with torch.no_grad():
+            phi = _gamma_weights(adv, log_ratio.detach(), inp, cfg)
+        per_token = -phi * adv * logp
+
+    if cfg.off_policy_mask_threshold is not None:
+        sampling = old if inp.sampling_logp is None else inp.sampling_logp
+        seq_kl = ((sampling - logp.detach()).nan_to_num(nan=0.0) * mask).sum(-1, keepdim=True)
+        seq_kl = seq_kl / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        per_token = per_token * ((adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(mask.dtype)
+
+    entropy_mask = None
+    if cfg.top_entropy_quantile < 1.0:
+        entropy_mask = _high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile)
+        per_token = per_token * entropy_mask
+
+    if inp.is_ratio is not None and cfg.loss_type != "vespo":
+        per_token = per_token * inp.is_ratio
+    if cfg.beta != 0.0:
+        per_token = per_token + cfg.beta * kl
+
+    loss = (per_token * aggregation_weights(mask, cfg)).sum()
+    policy_loss = loss.detach()
+    if cfg.entropy_coef != 0.0:
+        effective = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss + (entropy * entropy_bonus_weights(effective, cfg)).sum()
+
+    with torch.no_grad():
+        metrics = _metrics(entropy.detach(), kl.detach() if cfg.beta != 0.0 else None, ratio.detach(), adv, mask, cfg)
+        if cfg.loss_type == "vespo":
+            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask))
+        if cfg.entropy_coef != 0.0:
+            metrics["policy_loss"] = policy_loss
+    return loss, metrics
+
+
+def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token-weighted means over all ranks in one all-reduce; [B, 1] values average over sequences (as TRL)."""
+    sums = []
+    for x in values.values():
+        if x.shape[-1] == 1:
+            sums += [x.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)]
+        else:
+            sums += [(x * mask).sum(), mask.sum()]
+    totals = all_reduce_sum(torch.stack(sums).double())
+    return {name: totals[2 * i] / totals[2 * i + 1].clamp(min=1.0) for i, name in enumerate(values)}
+
+
+def _metrics(
+    entropy: torch.Tensor,
+    kl: torch.Tensor | None,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+) -> dict[str, torch.Tensor]:
+    values: dict[str, torch.Tensor] = {}
+    if kl is not None:
+        values["kl"] = kl
+    values["entropy"] = entropy
+    if cfg.loss_type in CLIPPED_LOSS_TYPES:
+        low = ((ratio < 1 - cfg.epsilon_low) & (adv < 0)).double()
+        high = ((ratio > 1 + cfg.epsilon_high) & (adv > 0)).double()
+        values["clip_ratio/low_mean"] = low
+        values["clip_ratio/high_mean"] = high
+        values["clip_ratio/region_mean"] = torch.maximum(low, high)
+    elif cfg.loss_type == "cispo":
+        values["cispo_clip_ratio"] = ((ratio > cfg.epsilon_high) & (adv > 0)).double()
+    return _global_means(values, mask)
