@@ -21,9 +21,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(autouse=True)
-def _nan_filled_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled float tensors, so an output element a kernel forgot fails."""
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled float tensors, so an output element a kernel forgot fails.
+
+    Kernel test modules opt in with `pytestmark = pytest.mark.usefixtures("nan_empty")`.
+    """
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def fill(t):
