@@ -165,7 +165,7 @@ class _GRPOLossFunction(torch.autograd.Function):
             with torch.no_grad():
                 loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
         else:
-            logp, entropy, lse = backend.row_stats(logits, ids, cfg.temperature)
+            logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
             with torch.enable_grad():
                 lp = logp.double().requires_grad_(needs_grad)
                 ent = entropy.double().requires_grad_(needs_grad and cfg.entropy_coef != 0.0)
@@ -175,7 +175,7 @@ class _GRPOLossFunction(torch.autograd.Function):
                 grads = torch.autograd.grad(loss, wrt)
                 g = grads[0].float()
                 h = grads[1].float() if len(grads) > 1 else None
-                backend.row_grad(logits, ids, lse, entropy, g, h, cfg.temperature, out)
+                backend.row_grad(logits, ids, row_state, entropy, g, h, cfg.temperature, out)
             loss = loss.detach()
 
         metrics_out.update(metrics)
@@ -200,18 +200,18 @@ class _GRPOLossFunction(torch.autograd.Function):
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, temperature, backend):  # type: ignore[override]
-        logp, entropy, lse = backend.row_stats(logits, ids, temperature)
-        ctx.save_for_backward(logits, ids, lse, entropy)
+        logp, entropy, row_state = backend.row_stats(logits, ids, temperature)
+        ctx.save_for_backward(logits, ids, row_state, entropy)
         ctx.temperature, ctx.backend = temperature, backend
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
-        logits, ids, lse, entropy = ctx.saved_tensors
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
+        logits, ids, row_state, entropy = ctx.saved_tensors
+        g = torch.zeros_like(entropy) if grad_logp is None else grad_logp.float()
         h = None if grad_entropy is None else grad_entropy.float()
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        ctx.backend.row_grad(logits, ids, lse, entropy, g, h, ctx.temperature, out)
+        ctx.backend.row_grad(logits, ids, row_state, entropy, g, h, ctx.temperature, out)
         return out, None, None, None
 
 

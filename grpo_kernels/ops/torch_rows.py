@@ -2,6 +2,10 @@
 
 At most one chunk of rows (about `CHUNK_ELEMENTS` elements) exists as float32 vocabulary-wide temporaries at a
 time; the only full-size allocation is the gradient, in the logits' dtype. Same interface as triton_logits.
+
+Precision: everything is taken relative to the row's raw maximum, z' = (x − max x) / τ, so that logits of size
+1e4 lose nothing to an fp32 logsumexp of size 1e4; 1 − p_y is summed over the other tokens rather than formed
+as a difference, so a peaked row (p_y → 1) keeps its target gradient exact.
 """
 
 from __future__ import annotations
@@ -22,39 +26,48 @@ def _row_chunks(batch: int, length: int, vocab: int) -> Iterator[tuple[int, slic
             yield b, slice(start, min(start + rows, length))
 
 
-def _softmax_parts(
-    logits: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z, lse, p and Σ p·z for a [rows, V] block, in float32; p·z where p == 0 counts 0 (−inf padding)."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)  # [rows]
-    p = torch.exp(z - lse.unsqueeze(-1))
-    pz = torch.where(p > 0, p * z, 0.0).sum(-1)  # NaN logits still reach lse, so nothing is hidden
-    return z, lse, p, pz
+def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z' = (x − max) / τ in float32: the subtraction is exact for the tokens that carry probability."""
+    z = x.float() - row_max.unsqueeze(-1)
+    return z / temperature if temperature != 1.0 else z
+
+
+def _others_mass(p: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ_{v ≠ y} p_v without cancellation: 1 − p_y for a peaked row."""
+    return p.scatter(-1, ids, 0.0).sum(-1)
 
 
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse), each [B, T] float32."""
+    """(logp, entropy, row_state): logp, entropy [B, T] float32; row_state [B, T, 2] = (raw row max, log Σ e^z')."""
     batch, length, vocab = logits.shape
     logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
-    lse_out = torch.empty_like(logp)
+    state = torch.empty(batch, length, 2, dtype=torch.float32, device=logits.device)
     for b, ts in _row_chunks(batch, length, vocab):
-        z, lse, _, pz = _softmax_parts(logits[b, ts], temperature)
-        logp[b, ts] = z.gather(-1, ids[b, ts].long().unsqueeze(-1)).squeeze(-1) - lse
-        entropy[b, ts] = lse - pz
-        lse_out[b, ts] = lse
-    return logp, entropy, lse_out
+        x = logits[b, ts]
+        y = ids[b, ts].long().unsqueeze(-1)
+        row_max = x.amax(-1).float()
+        z = _shifted(x, row_max, temperature)  # [rows, V], <= 0
+        e = torch.exp(z)
+        log_sum = torch.log(e.sum(-1))
+        e_y = e.gather(-1, y).squeeze(-1)
+        z_y = z.gather(-1, y).squeeze(-1)
+        # ℓ = −log(1 + Σ_{v≠y} e_v / e_y): exact near 0 through log1p; plain z'_y − log Σ where p_y is tiny.
+        others = _others_mass(e, y)
+        logp[b, ts] = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)
+        p = e / e.sum(-1, keepdim=True)
+        entropy[b, ts] = log_sum - torch.where(p > 0, p * z, 0.0).sum(-1)  # p·z' = 0 where p = 0 (−inf padding)
+        state[b, ts, 0] = row_max
+        state[b, ts, 1] = log_sum
+    return logp, entropy, state
 
 
 def row_grad(
     logits: torch.Tensor,
     ids: torch.Tensor,
-    lse: torch.Tensor,
+    state: torch.Tensor,
     entropy: torch.Tensor,
     g: torch.Tensor,
     h: torch.Tensor | None,
@@ -64,15 +77,16 @@ def row_grad(
     """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, written chunk by chunk; `out` may be `logits` itself."""
     batch, length, vocab = logits.shape
     for b, ts in _row_chunks(batch, length, vocab):
-        z = logits[b, ts].float()
-        if temperature != 1.0:
-            z = z / temperature
-        p = torch.exp(z - lse[b, ts].unsqueeze(-1))
-        grad = -g[b, ts].unsqueeze(-1) * p
+        y = ids[b, ts].long().unsqueeze(-1)
+        row_max, log_sum = state[b, ts, 0], state[b, ts, 1]
+        z = _shifted(logits[b, ts], row_max, temperature)
+        p = torch.exp(z - log_sum.unsqueeze(-1))
+        g_b = g[b, ts].unsqueeze(-1)
+        grad = -g_b * p
+        grad.scatter_(-1, y, g_b * _others_mass(p, y).unsqueeze(-1))  # g·(1 − p_y) at the target
         if h is not None:
-            mean_z = (lse[b, ts] - entropy[b, ts]).unsqueeze(-1)  # Σ p·z
-            grad -= h[b, ts].unsqueeze(-1) * torch.where(p > 0, p * (z - mean_z), 0.0)
-        grad.scatter_add_(-1, ids[b, ts].long().unsqueeze(-1), g[b, ts].unsqueeze(-1))
+            centered = z - (log_sum - entropy[b, ts]).unsqueeze(-1)  # z' − Σ p·z'
+            grad -= h[b, ts].unsqueeze(-1) * torch.where(p > 0, p * centered, 0.0)
         if temperature != 1.0:
             grad /= temperature
         out[b, ts] = grad.to(out.dtype)

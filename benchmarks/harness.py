@@ -1,0 +1,219 @@
+"""What every benchmark script here shares: quantiles, the machine and versions it ran on, peak memory, and the
+JSON + markdown + PNG it leaves in benchmarks/results/. Imports nothing heavier than torch, so a script stays
+importable where a contender (trl, liger-kernel) is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Packages whose versions go into every result file; None where not installed (a contender is then "missing").
+PACKAGES = ("torch", "triton", "trl", "liger-kernel", "transformers", "grpo-kernels", "numpy", "matplotlib")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), without importing numpy."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize_ms(times_ms: list[float]) -> dict[str, float]:
+    """Median and the 20th/80th percentiles: robust to the odd slow repeat, and honest about the spread."""
+    return {
+        "median": quantile(times_ms, 0.5),
+        "p20": quantile(times_ms, 0.2),
+        "p80": quantile(times_ms, 0.8),
+        "n": len(times_ms),
+    }
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where it ran
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_revision() -> str | None:
+    """HEAD of this checkout, with '+dirty' when the working tree differs from it (numbers from uncommitted code)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def total_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def device_info(device: str) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"type": device, "host_cpu": cpu_model(), "host_cpu_count": os.cpu_count()}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_bytes=props.total_memory,
+            cuda=torch.version.cuda,
+        )
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            info["driver"] = smi.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info.update(
+            name=cpu_model(),
+            torch_threads=torch.get_num_threads(),
+            memory_bytes=total_memory_bytes(),
+            load_average=list(os.getloadavg()),
+        )
+    return info
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "unknown"
+
+
+def device_slug(info: dict[str, Any]) -> str:
+    """File stem for benchmarks/results/: 'cuda-NVIDIA-H200', 'cpu-AMD-EPYC'."""
+    return f"{info['type']}-{slug(info['name'])}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Peak host memory of this process (CPU mode runs each contender in a fresh process)
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def rss_bytes() -> int:
+    kib = _proc_status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    import resource  # not Linux: fall back to the high-water mark
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM) from the current RSS; False where the kernel can't."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    hwm, rss = _proc_status_kib("VmHWM"), _proc_status_kib("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 1024  # within 1 MiB: the reset took
+
+
+def peak_rss_bytes() -> int:
+    kib = _proc_status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None or not math.isfinite(float(n)):
+        return "–"
+    n = float(n)
+    if abs(n) >= 1024**3:
+        return f"{n / 1024**3:.2f} GiB"
+    return f"{n / 1024**2:.0f} MiB"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" * len(headers)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False, allow_nan=True) + "\n")
+    tmp.replace(path)  # a run killed mid-write leaves the previous complete file
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -1,0 +1,208 @@
+"""One harness to hold any backend against the float64 oracle, with GRPO_SPEC's tolerances in one table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import strategies as st
+
+from grpo_kernels import grpo_loss
+from reference import reference_grpo_loss
+
+# GRPO_SPEC "Tolerances the tests hold", per logits dtype.
+#   loss_rtol/loss_atol: loss, logp, entropy and metrics against the oracle.
+#   grad_rtol_of_max (fp32): every ∂logits element within this fraction of max|∂logits|.
+#   grad_ulps (bf16/fp16): every element within this many ulps of the storage dtype of the exact value (two when
+#   the upstream gradient is not 1: the stored gradient is rounded once, then scaled and rounded again).
+#   grad_fp32_floor: the row math runs in fp32, so an element that is tiny only because two fp32 terms of size
+#   ~max|∂logits| cancel (e.g. g ≈ −h·(z − Σpz)) cannot be resolved below fp32's eps times that max; 8 eps32.
+TOLERANCES = {
+    torch.float32: dict(loss_rtol=1e-5, loss_atol=1e-6, grad_rtol_of_max=1e-5),
+    torch.bfloat16: dict(loss_rtol=1e-4, loss_atol=1e-6, grad_ulps=1, grad_fp32_floor=8 * 2.0**-23),
+    torch.float16: dict(loss_rtol=1e-4, loss_atol=1e-6, grad_ulps=1, grad_fp32_floor=8 * 2.0**-23),
+}
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+MIN_NORMAL_EXP = {torch.bfloat16: -126, torch.float16: -14}
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each |x| (float64), subnormals included."""
+    _, exp = torch.frexp(x.abs().double())  # |x| = m · 2^exp, m in [0.5, 1)
+    exp = torch.clamp(exp - 1, min=MIN_NORMAL_EXP[dtype])
+    return torch.pow(2.0, (exp - MANTISSA_BITS[dtype]).double())
+
+
+def assert_close(name: str, ours: torch.Tensor, exact: torch.Tensor, rtol: float, atol: float) -> None:
+    ours, exact = ours.double(), exact.double()
+    same_nan = torch.isnan(ours) == torch.isnan(exact)
+    assert same_nan.all(), f"{name}: NaN pattern differs"
+    finite = torch.isfinite(exact)
+    assert torch.equal(ours[~finite & ~torch.isnan(exact)], exact[~finite & ~torch.isnan(exact)]), f"{name}: inf differs"
+    err = (ours[finite] - exact[finite]).abs()
+    bound = atol + rtol * exact[finite].abs()
+    assert (err <= bound).all(), f"{name}: max err {(err - bound).max().item():.3e} over bound; ours={ours} exact={exact}"
+
+
+def assert_grad_close(ours: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, upstream_is_one: bool) -> None:
+    tol = TOLERANCES[dtype]
+    ours, exact = ours.double(), exact.double()
+    assert (torch.isnan(ours) == torch.isnan(exact)).all(), "grad: NaN pattern differs"
+    finite = torch.isfinite(exact)
+    err = (ours - exact).abs()[finite]
+    scale = exact[finite].abs().max() if finite.any() else torch.tensor(0.0)
+    if dtype == torch.float32:
+        bound = tol["grad_rtol_of_max"] * scale
+    else:
+        ulps = tol["grad_ulps"] * (1 if upstream_is_one else 2)
+        bound = ulps * ulp(exact[finite], dtype) + tol["grad_fp32_floor"] * scale
+    worst = (err - bound).argmax() if err.numel() else None
+    assert (err <= bound).all(), (
+        f"grad ({dtype}): element err {err[worst].item():.3e} > bound "
+        f"{bound if isinstance(bound, float) else bound.flatten()[worst].item() if torch.is_tensor(bound) and bound.dim() else float(bound):.3e} "
+        f"(exact {exact[finite][worst].item():.6e}, ours {ours[finite][worst].item():.6e})"
+    )
+
+
+@dataclass
+class Case:
+    """One randomly drawn problem: the strided logits view, every tensor input and the options."""
+
+    full: torch.Tensor  # [B, T + 1 + pad, V]; the loss reads a strided view of it
+    ids: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor | None
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    tensors: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    upstream: float = 1.0
+
+    def view(self, full: torch.Tensor) -> torch.Tensor:
+        length = self.ids.shape[1]
+        return full[:, 1 : length + 1]  # a strided view, as trainers slice full[:, -T-1:-1]
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
+
+
+@st.composite
+def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab=300, token_level_only=False):
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    batch = draw(st.integers(1, 3))
+    length = draw(st.integers(1, 5))
+    # V = 1 (degenerate), 2, odd sizes like a scaled-down 151936 / 32001, and something above one chunk of rows.
+    vocab = draw(st.sampled_from([1, 2, 7, 33, 151, max_vocab]))
+    dtype = draw(st.sampled_from(dtypes))
+    scale_kind = draw(st.sampled_from(["normal", "normal", "extreme", "padded"]))
+    logits = torch.randn(batch, length + 2, vocab, generator=gen, dtype=torch.float64) * 3
+    if scale_kind == "extreme":
+        big = 1e4 if dtype == torch.float32 else 300.0
+        logits = logits.sign() * big * torch.rand(logits.shape, generator=gen, dtype=torch.float64)
+    elif scale_kind == "padded" and vocab > 2:
+        logits[..., vocab - vocab // 3 :] = -math.inf  # padded vocabulary columns
+    full = logits.to(dtype)
+    usable = vocab - vocab // 3 if scale_kind == "padded" and vocab > 2 else vocab
+    ids = torch.randint(0, usable, (batch, length), generator=gen)
+
+    options: dict = {}
+    loss_type = draw(st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"] if token_level_only else LOSS_TYPES))
+    options["loss_type"] = loss_type
+    if not token_level_only and draw(st.booleans()):
+        options["importance_sampling_level"] = "sequence"
+    options["temperature"] = draw(st.sampled_from([1.0, 1.0, 0.7, 1.3]))
+    eps_edge = draw(st.booleans())
+    if eps_edge:  # ratios exactly at the clip edges: with ε = 0 and r = 1 exactly, r sits on both edges
+        options["epsilon_low"] = 0.0
+        options["epsilon_high"] = 0.0
+        if draw(st.booleans()):
+            options["delta"] = 1.0
+    else:
+        options["epsilon_low"] = draw(st.sampled_from([0.2, 0.1]))
+        options["epsilon_high"] = draw(st.sampled_from([None, 0.28, 5.0] if loss_type == "cispo" else [None, 0.28]))
+        if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo") and draw(st.booleans()):
+            options["delta"] = 1.5
+
+    z64 = full.double() / options["temperature"]
+    true_logp = z64.log_softmax(-1)[:, 1 : length + 1].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    true_logp = torch.where(torch.isfinite(true_logp), true_logp, torch.full_like(true_logp, -30.0))
+    old_logp = None
+    if not eps_edge and draw(st.booleans()):
+        old_logp = (true_logp + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
+    ref_logp = None
+    if draw(st.booleans()):
+        options["beta"] = draw(st.sampled_from([0.04, 0.5]))
+        options["use_bias_correction_kl"] = draw(st.booleans())
+        ref_logp = (true_logp + 0.5 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
+
+    adv_kind = draw(st.sampled_from(["seq", "seq", "token", "zero"]))
+    if adv_kind == "token":
+        advantages = torch.randn(batch, length, generator=gen)
+    elif adv_kind == "zero":
+        advantages = torch.zeros(batch)
+    else:
+        advantages = torch.randn(batch, generator=gen)
+
+    mask_kind = draw(st.sampled_from(["none", "random", "row_empty"]))
+    mask = None
+    if mask_kind != "none":
+        mask = (torch.rand(batch, length, generator=gen) > 0.3).float()
+        if mask_kind == "row_empty":
+            mask[0] = 0.0  # a fully masked row
+    tensors: dict = {}
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(batch,), (batch, 1), (batch, length)]))
+        tensors["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=gen)
+    if not token_level_only and draw(st.booleans()):
+        options["off_policy_mask_threshold"] = draw(st.sampled_from([0.0, 0.05, 1.0]))
+        if draw(st.booleans()):
+            tensors["sampling_logp"] = (true_logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
+    if not token_level_only and draw(st.booleans()):
+        # A quantile whose position falls between two order statistics, so no token sits on the threshold and
+        # fp32 and float64 entropies make the same keep/drop decision.
+        active = int((mask if mask is not None else torch.ones(batch, length)).sum())
+        k = draw(st.integers(0, max(active - 2, 0)))
+        options["top_entropy_quantile"] = 1.0 - (k + 0.5) / (active - 1) if active > 1 else 0.5
+    if draw(st.booleans()):
+        options["entropy_coef"] = draw(st.sampled_from([0.01, 0.3]))
+    if loss_type in ("dapo", "cispo", "vespo") and draw(st.booleans()):
+        options["num_items_in_batch"] = float(draw(st.integers(1, 20)))
+    if loss_type == "dr_grpo" and draw(st.booleans()):
+        options["max_completion_length"] = length + 3
+    upstream = draw(st.sampled_from([1.0, 1.0, -0.37, 2.5]))
+    return Case(full, ids, advantages, mask, old_logp, ref_logp, tensors, options, upstream)
+
+
+def check_case(case: Case, backend: str, inplace: bool = False) -> None:
+    """Run `grpo_loss` and the oracle on the same values; compare loss, ℓ, H, metrics and every ∂logits element."""
+    dtype = case.full.dtype
+    tol = TOLERANCES[dtype]
+    leaf = case.full.clone().requires_grad_(True)
+    source = leaf * 1 if inplace else leaf  # in-place needs a non-leaf buffer to overwrite
+    out = grpo_loss(
+        case.view(source), case.ids, case.advantages, case.mask, case.old_logp, case.ref_logp,
+        inplace_backward=inplace, backend=backend, **case.tensors, **case.options,
+    )
+    (out.loss * case.upstream).backward()
+
+    full64 = case.full.double().requires_grad_(True)
+    ref = reference_grpo_loss(
+        case.view(full64), case.ids, case.advantages, case.mask, case.old_logp, case.ref_logp,
+        **case.tensors, **case.options,
+    )
+    (ref.loss * case.upstream).backward()
+
+    assert out.logp.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    assert_close("loss", out.loss, ref.loss.detach(), tol["loss_rtol"], tol["loss_atol"])
+    assert_close("logp", out.logp, ref.logp.detach(), tol["loss_rtol"], tol["loss_atol"])
+    assert_close("entropy", out.entropy, ref.entropy.detach(), tol["loss_rtol"], tol["loss_atol"])
+    assert set(out.metrics) >= set(ref.metrics) - {"clip_ratio/low_min", "clip_ratio/high_max"}, (
+        f"metrics missing: {set(ref.metrics) - set(out.metrics)}"
+    )
+    for name, value in out.metrics.items():
+        assert name in ref.metrics, f"metric {name} not in the oracle's"
+        assert_close(f"metric {name}", torch.as_tensor(value), torch.as_tensor(ref.metrics[name]), tol["loss_rtol"], tol["loss_atol"])
+    assert leaf.grad.dtype == dtype
+    assert_grad_close(leaf.grad, full64.grad, dtype, upstream_is_one=case.upstream == 1.0)
