@@ -1,0 +1,611 @@
+"""The Triton row kernels of the logits path: per (b, t) row, ℓ, H and ∂logits with one read of the logits.
+
+One program walks one row of V logits in BLOCK_V tiles with an online (max, Σe, Σe·z) recurrence in fp32; the
+fused kernel then forms the per-token GRPO coefficient in registers and re-reads the row (from L2) to write the
+gradient. Same interface as ops/torch_rows.py, so `api.py` drives either backend.
+
+Precision (GRPO_SPEC asks fp32 results within 1e-5 of float64, bf16/fp16 gradients within one ulp):
+- every logit is taken relative to the raw row maximum m, z' = (x − m)/τ, never as x/τ − lse: for logits of size
+  1e4 an fp32 lse alone is off by 1e-3, which would shift every probability by 1e-3;
+- the target's probability mass is kept apart: the loop sums e_v over v ≠ y only, so 1 − p_y = Σ_{v≠y} e_v / Σe
+  is exact for a peaked row (1 − p_y formed as a difference loses everything below 6e-8);
+- H = log Σe − Σe·z'/Σe adds two non-negative terms (z' <= 0), so no cancellation either.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import CLIPPED_LOSS_TYPES, LossConfig
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# ------------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _load_bt(p, i_b, i_t, stride_b, stride_t):
+    """One fp32 value of a (B, T) tensor with arbitrary strides (stride 0 for an expanded per-sequence value)."""
+    return tl.load(p + i_b * stride_b + i_t * stride_t).to(tl.float32)
+
+
+@triton.jit
+def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr):
+    """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
+    e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe and c2 = Σ p·z2 (= Σ p z' / ln 2)."""
+    x_y = tl.load(p_x + y).to(tl.float32)
+    # Start the running max at the target logit and mask the target lane out of the tiles: the sums below then
+    # run over v != y only, and the target is added back once at the end.
+    b_m = x_y
+    b_so = 0.0  # Σ_{v≠y} e, relative to the running max
+    b_to = 0.0  # Σ_{v≠y} e·z2
+    o_b = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + o_b
+        # evict_last: pass 2 re-reads this row right away; keep it in L2.
+        b_x = tl.load(p_x + o_v, mask=o_v < V, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
+        b_x = tl.where(o_v == y, float("-inf"), b_x)  # [BLOCK_V]
+        b_m_new = tl.maximum(b_m, tl.max(b_x, 0))
+        # A row that is -inf so far (leading padded tiles) has no scale yet; any finite reference does.
+        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_z = (b_x - b_ref) * k2  # [BLOCK_V]
+        b_e = tl.exp2(b_z)
+        b_d = (b_m - b_ref) * k2  # <= 0: how far the old sums sink under the new max
+        b_alpha = tl.exp2(b_d)
+        # Rescale Σe·z2 to the new max: Σ α e (z2 + d) = α (t + d·s); α == 0 (old max -inf) would give 0·inf.
+        b_to = tl.where(b_alpha > 0, b_alpha * (b_to + b_d * b_so), 0.0)
+        b_to += tl.sum(b_e * tl.where(b_e > 0, b_z, 0.0), 0)  # −inf logits: e·z2 is 0, not 0·(−inf)
+        b_so = b_alpha * b_so + tl.sum(b_e, 0)  # a NaN logit reaches the sums here (not masked) and propagates
+        b_m = b_m_new
+    b_ref = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_zy = (x_y - b_ref) * k2
+    b_ey = tl.exp2(b_zy)
+    b_s = b_so + b_ey
+    b_t = b_to + b_ey * tl.where(b_ey > 0, b_zy, 0.0)
+    return b_ref, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s
+
+
+@triton.jit
+def _row_grad_store(
+    p_x, p_o, y, V, k2, inv_tau, b_ref, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile. Each tile is read before it is
+    written, so `p_o` may point at the logits themselves."""
+    o_b = tl.arange(0, BLOCK_V)
+    b_hl = b_h * LN2  # h·(z' − c) = h·ln2·(z2 − c2)
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + o_b
+        m_v = o_v < V
+        b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+        b_z = (b_x - b_ref) * k2  # [BLOCK_V], same ops as pass 1: bit-identical z2
+        b_p = tl.exp2(b_z - b_log2s)
+        if HAS_ENT:
+            # Where p == 0 (−inf padding) the centered term is p·(z' − c) = 0, not 0·(−inf); a NaN p stays NaN.
+            b_cz = b_hl * (tl.where(b_p > 0, b_z, b_c2) - b_c2)
+            b_d = tl.where(o_v == y, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
+        else:
+            b_d = tl.where(o_v == y, b_g * b_q, -b_g * b_p)
+        tl.store(p_o + o_v, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED: tl.constexpr):
+    i_row = tl.cast(i_row, tl.int64)  # B·T·V exceeds 2^31
+    i_b = i_row // T
+    i_t = i_row % T
+    o_x = i_b * stride_xb + i_t * stride_xt
+    if ALIGNED:
+        o_x = tl.multiple_of(o_x, 16)  # lets the tile loads vectorize (strides are not specialized)
+    return i_row, i_b, i_t, o_x
+
+
+@triton.heuristics({"ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"])})
+@triton.jit(do_not_specialize=["N", "T", "stride_xb", "stride_xt", "stride_yb", "stride_yt"])
+def row_stats_fwd_kernel(
+    x_ptr,  # [B, T, V] logits
+    y_ptr,  # [B, T] ids
+    logp_ptr,  # [B, T] fp32, contiguous
+    ent_ptr,  # [B, T] fp32, contiguous
+    state_ptr,  # [B, T, 4] fp32, contiguous
+    N,  # B·T
+    T,
+    V,
+    stride_xb,
+    stride_xt,
+    stride_yb,
+    stride_yt,
+    k2,  # log2(e) / τ
+    BLOCK_V: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    for i_row in range(tl.program_id(0), N, tl.num_programs(0)):
+        i_row, i_b, i_t, o_x = _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED)
+        y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
+        b_ref, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
+        tl.store(logp_ptr + i_row, (b_zy - b_log2s) * LN2)
+        tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
+        p_s = state_ptr + i_row * 4
+        tl.store(p_s, b_ref)
+        tl.store(p_s + 1, b_log2s)
+        tl.store(p_s + 2, b_q)
+        tl.store(p_s + 3, b_c2)
+
+
+@triton.heuristics(
+    {
+        "HAS_ENT": lambda a: a["h_ptr"] is not None,
+        "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
+    }
+)
+@triton.jit(
+    do_not_specialize=[
+        "N", "T", "stride_xb", "stride_xt", "stride_ob", "stride_ot", "stride_yb", "stride_yt",
+        "stride_gb", "stride_gt", "stride_hb", "stride_ht",
+    ]
+)  # fmt: skip
+def row_stats_bwd_kernel(
+    x_ptr,  # [B, T, V] logits
+    y_ptr,  # [B, T] ids
+    state_ptr,  # [B, T, 4] from row_stats_fwd_kernel
+    g_ptr,  # [B, T] ∂/∂ℓ
+    h_ptr,  # [B, T] ∂/∂H, or None
+    out_ptr,  # [B, T, V], may alias x_ptr
+    N,
+    T,
+    V,
+    stride_xb,
+    stride_xt,
+    stride_ob,
+    stride_ot,
+    stride_yb,
+    stride_yt,
+    stride_gb,
+    stride_gt,
+    stride_hb,
+    stride_ht,
+    k2,
+    inv_tau,
+    HAS_ENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    for i_row in range(tl.program_id(0), N, tl.num_programs(0)):
+        i_row, i_b, i_t, o_x = _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED)
+        o_o = i_b * stride_ob + i_t * stride_ot
+        if ALIGNED:
+            o_o = tl.multiple_of(o_o, 16)
+        y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
+        p_s = state_ptr + i_row * 4
+        b_ref = tl.load(p_s)
+        b_log2s = tl.load(p_s + 1)
+        b_q = tl.load(p_s + 2)
+        b_c2 = tl.load(p_s + 3)
+        b_g = _load_bt(g_ptr, i_b, i_t, stride_gb, stride_gt)
+        b_h = 0.0
+        if HAS_ENT:
+            b_h = _load_bt(h_ptr, i_b, i_t, stride_hb, stride_ht)
+        _row_grad_store(
+            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_ref, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
+        )
+
+
+@triton.jit
+def _token_coef(
+    b_lp,
+    b_adv,
+    b_old,
+    b_ref,
+    b_rho,
+    b_w,
+    lo,
+    hi,
+    delta,
+    eps_high,
+    beta,
+    sapo_pos,
+    sapo_neg,
+    LOSS: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_RATIO: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BIAS_KL: tl.constexpr,
+):
+    """g = ∂loss/∂ℓ of w·(ρ·L + β·kl) for one token, with torch autograd's tie rules (clamp passes the gradient
+    on the closed interval, minimum splits ties). Selects are written so that a NaN ratio stays NaN."""
+    b_r = tl.exp(b_lp - b_old)  # old = ℓ itself when not given: exactly 1 (NaN for a NaN ℓ, as in torch)
+    if LOSS == 0:  # grpo, bnpo, dr_grpo, dapo, luspo: −min(r·A, clamp(r, lo, hi)·A)
+        b_rc = tl.where(b_r < lo, lo, tl.where(b_r > hi, hi, b_r))
+        b_db = b_adv * b_r * ((b_r >= lo) & (b_r <= hi)).to(tl.float32)
+        if HAS_DELTA:
+            b_r1 = tl.where(b_r > delta, delta, b_r)
+            b_da = b_adv * b_r * (b_r <= delta).to(tl.float32)
+        else:
+            b_r1 = b_r
+            b_da = b_adv * b_r
+        b_a = b_r1 * b_adv
+        b_b = b_rc * b_adv
+        b_dl = -tl.where(b_a < b_b, b_da, tl.where(b_b < b_a, b_db, 0.5 * (b_da + b_db)))
+    elif LOSS == 1:  # cispo: −sg(min(r, ε_high))·A·ℓ
+        b_dl = -tl.where(b_r > eps_high, eps_high, b_r) * b_adv
+    else:  # sapo: −(4/τs)·σ(τs(r − 1))·A; σ(1 − σ) = e/(1 + e)² with e = exp(−|x|), no cancellation
+        b_ts = tl.where(b_adv > 0, sapo_pos, sapo_neg)
+        b_e = tl.exp(-tl.abs(b_ts * (b_r - 1.0)))
+        b_dl = -4.0 * (b_e / ((1.0 + b_e) * (1.0 + b_e))) * b_r * b_adv
+    if HAS_RATIO:
+        b_dl = b_dl * b_rho
+    if HAS_REF:  # k3 estimator exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1
+        b_diff = b_ref - b_lp
+        b_ed = tl.exp(b_diff)
+        b_dkl = 1.0 - b_ed
+        if BIAS_KL:  # kl·r, r before any delta clamp
+            b_dkl = (b_dkl + (b_ed - b_diff - 1.0)) * b_r
+        b_dl = b_dl + beta * b_dkl
+    return tl.where(b_w == 0, 0.0, b_w * b_dl)  # a masked token contributes nothing, even with inf inputs
+
+
+@triton.heuristics(
+    {
+        "HAS_OLD": lambda a: a["old_ptr"] is not None,
+        "HAS_REF": lambda a: a["ref_ptr"] is not None,
+        "HAS_RATIO": lambda a: a["rho_ptr"] is not None,
+        "HAS_ENT": lambda a: a["hw_ptr"] is not None,
+        "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
+    }
+)
+@triton.jit(
+    do_not_specialize=[
+        "N", "T", "stride_xb", "stride_xt", "stride_ob", "stride_ot", "stride_yb", "stride_yt",
+        "stride_ab", "stride_at", "stride_oldb", "stride_oldt", "stride_refb", "stride_reft",
+        "stride_rhob", "stride_rhot", "stride_wb", "stride_wt", "stride_hwb", "stride_hwt",
+    ]
+)  # fmt: skip
+def fused_token_grad_fwd_kernel(
+    x_ptr,  # [B, T, V] logits
+    y_ptr,  # [B, T] ids
+    out_ptr,  # [B, T, V] ∂loss/∂logits, may alias x_ptr
+    logp_ptr,  # [B, T] fp32, contiguous
+    ent_ptr,  # [B, T] fp32, contiguous
+    adv_ptr,  # [B, T] advantages (stride 0 along T for per-sequence values)
+    old_ptr,  # [B, T] or None
+    ref_ptr,  # [B, T] or None (None when β == 0)
+    rho_ptr,  # [B, T] or None
+    w_ptr,  # [B, T] aggregation weight (mask included)
+    hw_ptr,  # [B, T] entropy-bonus weight or None
+    N,
+    T,
+    V,
+    stride_xb,
+    stride_xt,
+    stride_ob,
+    stride_ot,
+    stride_yb,
+    stride_yt,
+    stride_ab,
+    stride_at,
+    stride_oldb,
+    stride_oldt,
+    stride_refb,
+    stride_reft,
+    stride_rhob,
+    stride_rhot,
+    stride_wb,
+    stride_wt,
+    stride_hwb,
+    stride_hwt,
+    k2,
+    inv_tau,
+    lo,  # 1 − ε_low
+    hi,  # 1 + ε_high
+    delta,
+    eps_high,  # cispo's absolute cap
+    beta,
+    sapo_pos,
+    sapo_neg,
+    LOSS: tl.constexpr,  # 0: clipped family, 1: cispo, 2: sapo
+    HAS_DELTA: tl.constexpr,
+    BIAS_KL: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_RATIO: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    for i_row in range(tl.program_id(0), N, tl.num_programs(0)):
+        i_row, i_b, i_t, o_x = _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED)
+        o_o = i_b * stride_ob + i_t * stride_ot
+        if ALIGNED:
+            o_o = tl.multiple_of(o_o, 16)
+        y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
+        b_ref, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
+        b_lp = (b_zy - b_log2s) * LN2
+        tl.store(logp_ptr + i_row, b_lp)
+        tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
+
+        b_adv = _load_bt(adv_ptr, i_b, i_t, stride_ab, stride_at)
+        b_w = _load_bt(w_ptr, i_b, i_t, stride_wb, stride_wt)
+        b_old = b_lp
+        if HAS_OLD:
+            b_old = _load_bt(old_ptr, i_b, i_t, stride_oldb, stride_oldt)
+        b_lref = 0.0
+        if HAS_REF:
+            b_lref = _load_bt(ref_ptr, i_b, i_t, stride_refb, stride_reft)
+        b_rho = 1.0
+        if HAS_RATIO:
+            b_rho = _load_bt(rho_ptr, i_b, i_t, stride_rhob, stride_rhot)
+        b_h = 0.0
+        if HAS_ENT:
+            b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
+        b_g = _token_coef(
+            b_lp, b_adv, b_old, b_lref, b_rho, b_w, lo, hi, delta, eps_high, beta, sapo_pos, sapo_neg,
+            LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
+        )  # fmt: skip
+        _row_grad_store(
+            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_ref, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+def _aligned(*strides: int) -> bool:
+    """Row starts are multiples of 16 elements: the tile loads/stores can use 16-byte vectors."""
+    return all(s % 16 == 0 for s in strides)
+
+
+def _block_config(vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) keyed on V. Aim: 8-16 elements per thread, i.e. one or two 16-byte vectors for bf16,
+    so a tile's loads are all in flight together, and no more than that, so no register spills (checked for
+    sm_90a by tests/ops/test_hopper_compile.py)."""
+    if vocab <= 256:  # toy vocabularies: one warp is plenty
+        return max(16, triton.next_power_of_2(vocab)), 1
+    if vocab <= 1024:
+        return triton.next_power_of_2(vocab), 4
+    if vocab <= 4096:  # whole row in one tile
+        return triton.next_power_of_2(vocab), 8
+    if vocab <= 32768:  # Llama-2 (32000), Mistral (32768): 8 tiles of 4096
+        return 4096, 8
+    return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936): 16-19 tiles of 8192 with 512 threads
+
+
+@functools.lru_cache(maxsize=None)
+def _device_caps(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
+
+
+def _num_programs(rows: int, row_bytes: int, two_pass: bool, device: torch.device) -> int:
+    """Grid size; each program loops over rows i, i + grid, ...
+
+    Single pass: one program per row. Two passes: pass 2 re-reads the row while it is still in L2, so the rows in
+    flight (about one per resident program) must fit in L2 next to the gradient being written: resident programs
+    x row bytes <= L2 / 2, at least one program per SM (a bf16 row of 151936 logits is 297 KiB; 132 of them on an
+    H100 fill 39 MiB of its 50 MiB L2, already more than half). Under the interpreter: one program per row."""
+    if device.type != "cuda" or not two_pass:
+        return rows
+    sms, l2 = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
+    per_sm = max(1, min(4, (l2 // 2) // max(1, sms * row_bytes)))
+    return max(1, min(rows, sms * per_sm))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Launchers and validation
+
+
+def _check_rows(logits: torch.Tensor, ids: torch.Tensor) -> tuple[int, int, int]:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    batch, length, vocab = logits.shape
+    if logits.stride(-1) != 1 and vocab > 1:
+        raise ValueError(f"logits must have unit stride along the vocabulary, got strides {logits.stride()}")
+    if ids.shape != (batch, length):
+        raise ValueError(f"ids must have shape {(batch, length)}, got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be int32/int64, got {ids.dtype}")
+    return batch, length, vocab
+
+
+def _check_bt(name: str, x: torch.Tensor | None, batch: int, length: int, device: torch.device) -> None:
+    if x is None:
+        return
+    if x.shape != (batch, length):
+        raise ValueError(f"{name} must have shape {(batch, length)} (a broadcast view is fine), got {tuple(x.shape)}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device}, got {x.device}")
+
+
+def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
+    if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device:
+        raise ValueError(
+            f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), "
+            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
+        )
+    if out.stride(-1) != 1 and out.shape[-1] > 1:
+        raise ValueError(f"out must have unit stride along the vocabulary, got strides {out.stride()}")
+
+
+def _strides(x: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if x is None else (x.stride(0), x.stride(1))
+
+
+def _fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+    batch, length, vocab = _check_rows(logits, ids)
+    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    state = torch.empty(batch, length, 4, dtype=torch.float32, device=logits.device)
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
+    row_stats_fwd_kernel[grid](
+        logits, ids, logp, entropy, state, rows, length, vocab,
+        logits.stride(0), logits.stride(1), ids.stride(0), ids.stride(1),
+        LOG2E / temperature,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return logp, entropy, state
+
+
+def _bwd(logits, ids, state, g, h, temperature, out) -> None:
+    batch, length, vocab = _check_rows(logits, ids)
+    if state.shape != (batch, length, 4) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(
+            f"row_state must be the contiguous [B, T, 4] float32 tensor returned by this module's row_stats, "
+            f"got {tuple(state.shape)} {state.dtype}"
+        )
+    _check_bt("g", g, batch, length, logits.device)
+    _check_bt("h", h, batch, length, logits.device)
+    _check_out(out, logits)
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    row_stats_bwd_kernel[grid](
+        logits, ids, state, g, h, out, rows, length, vocab,
+        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
+        *_strides(g), *_strides(h),
+        LOG2E / temperature, 1.0 / temperature,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+
+
+LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
+
+
+def _fused_fwd(logits, ids, temperature, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight, cfg, out):
+    batch, length, vocab = _check_rows(logits, ids)
+    if cfg.is_sequence_level or cfg.loss_type not in LOSS_CODES:
+        raise ValueError(
+            "fused_token_grad handles token-level options only (loss_type in "
+            f"{tuple(LOSS_CODES)}, no sequence-level ratio or masks), got loss_type={cfg.loss_type!r}, "
+            f"importance_sampling_level={cfg.importance_sampling_level!r}"
+        )
+    if cfg.beta != 0.0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when beta != 0 (beta={cfg.beta})")
+    if cfg.beta == 0.0:
+        ref_logp = None  # a given ref with β = 0 must not turn an inf into 0·inf
+    for name, x in (
+        ("advantages", advantages),
+        ("old_logp", old_logp),
+        ("ref_logp", ref_logp),
+        ("is_ratio", is_ratio),
+        ("weight", weight),
+        ("entropy_weight", entropy_weight),
+    ):
+        _check_bt(name, x, batch, length, logits.device)
+    if advantages is None or weight is None:
+        raise ValueError("advantages and weight are required")
+    _check_out(out, logits)
+    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    fused_token_grad_fwd_kernel[grid](
+        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight,
+        rows, length, vocab,
+        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
+        *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(is_ratio),
+        *_strides(weight), *_strides(entropy_weight),
+        LOG2E / temperature, 1.0 / temperature,
+        1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
+        cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
+        LOSS=LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return logp, entropy
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The backend interface (api.py calls these)
+
+
+def row_stats(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ℓ, H of each row with one read of the logits.
+
+    Args:
+        logits: [B, T, V] float32/bfloat16/float16, unit vocabulary stride, any batch/time strides (read in place).
+        ids: [B, T] int32/int64 in [0, V), any strides.
+        temperature: τ > 0.
+    Returns:
+        (logp, entropy, row_state): logp = z_y − logsumexp(z) and entropy = lse − Σ softmax(z)·z with z = logits/τ,
+        each [B, T] float32; row_state [B, T, 4] float32, opaque, for `row_grad`: (raw row max m, log2 Σe,
+        1 − p_y, Σ p·z2) with z2 = (x − m)·log2(e)/τ. `lse` itself is m/τ + ln2·row_state[..., 1] (`row_lse`),
+        but an fp32 lse alone cannot give exact probabilities for large logits, hence the wider state.
+
+    Example:
+        >>> logp, entropy, state = row_stats(logits, ids, 1.0)
+    """
+    return _fwd(logits, ids, temperature)
+
+
+def row_lse(row_state: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logsumexp(logits/τ) per row, [B, T] float32, from `row_stats`' state (for callers that want it)."""
+    return row_state[..., 0] / temperature + LN2 * row_state[..., 1]
+
+
+def row_grad(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    row_state: torch.Tensor,
+    entropy: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    temperature: float,
+    out: torch.Tensor,
+) -> None:
+    """out[b, t, :] = (g·(onehot(y) − p) − h·p·(z − Σ p·z)) / τ in out.dtype, p = softmax(logits/τ).
+
+    Args:
+        row_state: the third output of `row_stats` on the same logits.
+        entropy: accepted for interface parity with the torch backend; unused (the state carries Σ p·z exactly).
+        g, h: [B, T] float32 (any strides, broadcast views included); h None drops the entropy term.
+        out: [B, T, V] in the logits' dtype, unit vocabulary stride; may be `logits` itself (in-place gradient:
+            each tile is read before it is overwritten).
+    """
+    del entropy
+    _bwd(logits, ids, row_state, g, h, temperature, out)
+
+
+def fused_token_grad(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float,
+    *,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    is_ratio: torch.Tensor | None,
+    weight: torch.Tensor,
+    entropy_weight: torch.Tensor | None,
+    cfg: LossConfig,
+    out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of each row for the token-level losses: ℓ, H, the token coefficient g = ∂loss/∂ℓ, and ∂logits.
+
+    loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H (GRPO_SPEC; cfg.loss_type in grpo/bnpo/dr_grpo/dapo/luspo/cispo/
+    sapo, cfg.is_sequence_level False). Writes out = (g·(onehot − p) − h·p·(z − Σpz))/τ, h = entropy_weight.
+
+    Args:
+        advantages, weight: [B, T] float32 (broadcast views with stride 0 are read in place).
+        old_logp: [B, T] or None (None: ℓ_old = sg(ℓ), ratio exactly 1).
+        ref_logp: [B, T] or None; required iff cfg.beta != 0 (ignored when β == 0).
+        is_ratio: [B, T] ρ or None. entropy_weight: [B, T] or None.
+        out: [B, T, V] in the logits' dtype; may be `logits` itself.
+    Returns:
+        (logp, entropy), each [B, T] float32.
+    """
+    return _fused_fwd(
+        logits, ids, temperature, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight, cfg, out
+    )
