@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .config import BACKENDS, LossConfig
+from .compile_op import flat_numbers, row_stats_op, traced_config, validate_config
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,10 +72,6 @@ def _check_ids(ids: Any, batch: int, length: int, vocab: int, device: torch.devi
     ids = _check_tensor("completion_ids", ids, ((batch, length),), device)
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"completion_ids must be int32/int64, got {ids.dtype}")
-    lo, hi = torch.aminmax(ids)  # O(B·T), no pass over the logits
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo}, {hi}]")
     return ids
 
 
@@ -86,7 +83,8 @@ def _token_inputs(
     ref_logp: Any,
     importance_sampling_ratio: Any,
     sampling_logp: Any,
-    cfg: LossConfig,
+    *,
+    beta: float,
 ) -> TokenInputs:
     batch, length, _ = logits.shape
     dev = logits.device
@@ -101,8 +99,8 @@ def _token_inputs(
     optional = {}
     for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp)):
         optional[name] = None if x is None else _check_float(name, _check_tensor(name, x, bt, dev))
-    if cfg.beta != 0.0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when beta != 0 (beta={cfg.beta})")
+    if beta != 0.0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when beta != 0 (beta={beta})")
     is_ratio = importance_sampling_ratio
     if is_ratio is not None:
         shapes = ((batch,), (batch, 1), (batch, length))
@@ -135,49 +133,64 @@ def _backend(name: str, device: torch.device) -> ModuleType:
 # Autograd
 
 
+def check_ids_range(ids: torch.Tensor, vocab: int) -> None:
+    """O(B·T) range check of the ids, no pass over the logits; run eagerly (inside the op under torch.compile)."""
+    lo, hi = torch.aminmax(ids)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo}, {hi}]")
+
+
+def forward_rows(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    cfg: LossConfig,
+    backend: ModuleType,
+    inp: TokenInputs,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss (float64, detached), ℓ, H and metrics; when `out` is given, ∂loss/∂logits is written into it."""
+    if out is not None and not cfg.is_sequence_level and hasattr(backend, "fused_token_grad"):
+        # One read of each row: ℓ, H, g and ∂logits in the same pass (token-level options only).
+        batch, length = inp.mask.shape
+        logp, entropy = backend.fused_token_grad(
+            logits,
+            ids,
+            cfg.temperature,
+            advantages=inp.advantages.float().expand(batch, length),
+            old_logp=None if inp.old_logp is None else inp.old_logp.float(),
+            ref_logp=None if inp.ref_logp is None else inp.ref_logp.float(),
+            is_ratio=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
+            weight=aggregation_weights(inp.mask, cfg).float(),
+            entropy_weight=entropy_bonus_weights(inp.mask, cfg).float() if cfg.entropy_coef != 0.0 else None,
+            cfg=cfg,
+            out=out,
+        )
+        with torch.no_grad():
+            loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
+        return loss, logp, entropy, metrics
+
+    # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
+    logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
+    with torch.enable_grad():
+        lp = logp.double().requires_grad_(out is not None)
+        ent = entropy.double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
+        loss, metrics = grpo_objective(lp, ent, inp, cfg)
+    if out is not None:
+        grads = torch.autograd.grad(loss, [lp, ent] if ent.requires_grad else [lp])
+        h = grads[1].float() if len(grads) > 1 else None
+        backend.row_grad(logits, ids, row_state, entropy, grads[0].float(), h, cfg.temperature, out)
+    return loss.detach(), logp, entropy, metrics
+
+
 class _GRPOLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, cfg, backend, inp, inplace, ids, metrics_out):  # type: ignore[override]
-        needs_grad = ctx.needs_input_grad[0]
+        check_ids_range(ids, logits.shape[-1])
         out = None
-        if needs_grad:
+        if ctx.needs_input_grad[0]:
             out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-        if needs_grad and not cfg.is_sequence_level and hasattr(backend, "fused_token_grad"):
-            # One read of each row: ℓ, H, g and ∂logits in the same pass (token-level options only).
-            entropy_w = None
-            if cfg.entropy_coef != 0.0:
-                entropy_w = entropy_bonus_weights(inp.mask, cfg).float()
-            batch, length = inp.mask.shape
-            logp, entropy = backend.fused_token_grad(
-                logits,
-                ids,
-                cfg.temperature,
-                advantages=inp.advantages.float().expand(batch, length),
-                old_logp=None if inp.old_logp is None else inp.old_logp.float(),
-                ref_logp=None if inp.ref_logp is None else inp.ref_logp.float(),
-                is_ratio=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
-                weight=aggregation_weights(inp.mask, cfg).float(),
-                entropy_weight=entropy_w,
-                cfg=cfg,
-                out=out,
-            )
-            with torch.no_grad():
-                loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
-        else:
-            logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
-            with torch.enable_grad():
-                lp = logp.double().requires_grad_(needs_grad)
-                ent = entropy.double().requires_grad_(needs_grad and cfg.entropy_coef != 0.0)
-                loss, metrics = grpo_objective(lp, ent, inp, cfg)
-            if needs_grad:
-                wrt = [lp] + ([ent] if ent.requires_grad else [])
-                grads = torch.autograd.grad(loss, wrt)
-                g = grads[0].float()
-                h = grads[1].float() if len(grads) > 1 else None
-                backend.row_grad(logits, ids, row_state, entropy, g, h, cfg.temperature, out)
-            loss = loss.detach()
-
+        loss, logp, entropy, metrics = forward_rows(logits, ids, cfg, backend, inp, out)
         metrics_out.update(metrics)
         ctx.grad_logits = out
         ctx.mark_non_differentiable(logp, entropy)
@@ -200,6 +213,7 @@ class _GRPOLossFunction(torch.autograd.Function):
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, temperature, backend):  # type: ignore[override]
+        check_ids_range(ids, logits.shape[-1])
         logp, entropy, row_state = backend.row_stats(logits, ids, temperature)
         ctx.save_for_backward(logits, ids, row_state, entropy)
         ctx.temperature, ctx.backend = temperature, backend
@@ -282,6 +296,9 @@ def grpo_loss(
         >>> out = grpo_loss(logits, ids, advantages=torch.tensor([1.0, -1.0]))
         >>> out.loss.backward()
     """
+    if torch.compiler.is_compiling():
+        tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
+        return _compiled_grpo_loss(logits, completion_ids, tensors, inplace_backward, backend, options)
     unknown = set(options) - set(LossConfig.option_names())
     if unknown:
         raise TypeError(f"grpo_loss got unknown option(s) {sorted(unknown)}")
@@ -292,7 +309,7 @@ def grpo_loss(
     batch, length, vocab = logits.shape
     ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
     inp = _token_inputs(
-        logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, cfg
+        logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, beta=cfg.beta
     )
     rows = _backend(backend, logits.device)
     if inplace_backward and logits.requires_grad and logits.is_leaf:
@@ -300,6 +317,28 @@ def grpo_loss(
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _GRPOLossFunction.apply(logits, cfg, rows, inp, inplace_backward, ids, metrics)
     return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
+
+
+def _compiled_grpo_loss(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    tensors: tuple[Any, ...],
+    inplace: bool,
+    backend: str,
+    options: dict[str, Any],
+) -> GRPOOutput:
+    """grpo_loss as traced by torch.compile: opaque row ops around a traced O(B·T) objective (see compile_op)."""
+    if inplace:
+        raise ValueError("inplace_backward=True is not supported under torch.compile (the op may not mutate its input)")
+    cfg = traced_config(options)
+    validate_config(logits, cfg.loss_type, cfg.importance_sampling_level, flat_numbers(cfg))
+    logits = _check_logits(logits)
+    batch, length, vocab = logits.shape
+    ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
+    inp = _token_inputs(logits, *tensors, beta=cfg.beta)
+    logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
+    loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
+    return GRPOOutput(loss=loss.float(), logp=logp.detach(), entropy=entropy.detach(), metrics=metrics)
 
 
 class GRPOLoss(torch.nn.Module):

@@ -113,3 +113,26 @@ class LossConfig:
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+# Flat forms of the options for the torch.library op (a custom op takes primitives, not a dataclass), computed at
+# import time so that code traced by torch.compile only reads constants.
+OPTION_DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(LossConfig)}
+STRING_OPTIONS = ("loss_type", "importance_sampling_level")
+NUMERIC_OPTIONS = tuple(name for name in OPTION_DEFAULTS if name not in STRING_OPTIONS)
+
+
+def config_from_flat(strings: list[str], numbers: list[float]) -> LossConfig:
+    """Inverse of the flattening in `compile_op`: NaN stands for None, 0/1 for the booleans."""
+    values: dict[str, object] = dict(zip(STRING_OPTIONS, strings))
+    for name, x in zip(NUMERIC_OPTIONS, numbers):
+        default = OPTION_DEFAULTS[name]
+        if math.isnan(x):
+            values[name] = None
+        elif isinstance(default, bool):
+            values[name] = bool(x)
+        elif name == "max_completion_length":
+            values[name] = int(x)
+        else:
+            values[name] = x
+    return LossConfig(**values)

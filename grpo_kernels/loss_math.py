@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import CLIPPED_LOSS_TYPES, LossConfig
-from .distributed import all_gather_varlen, all_reduce_sum, world_size
+from .distributed import all_gather_varlen, all_reduce_sum, is_distributed, world_size
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,22 @@ def entropy_bonus_weights(effective_mask: torch.Tensor, cfg: LossConfig) -> torc
 
 
 def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    active = all_gather_varlen(entropy[mask.bool()].float())
-    if active.numel() == 0:
-        return torch.zeros_like(mask)
-    threshold = torch.quantile(active, 1.0 - quantile)
-    return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype)
+    """Keep active tokens with H >= the (1 − q) quantile of the active entropies of all ranks (TRL's threshold,
+    in float32 as TRL takes it). Sort-based, without data-dependent shapes, so torch.compile can trace it."""
+    active = mask.bool()
+    if is_distributed():
+        values = all_gather_varlen(entropy[active].float())
+        count = torch.tensor(values.numel(), device=entropy.device)
+    else:
+        values = entropy.float().masked_fill(~active, math.inf).flatten()  # inactive tokens sort last
+        count = active.sum()
+    ranked = values.sort().values
+    position = (1.0 - quantile) * (count - 1).clamp(min=0).double()
+    lower = position.floor().long().reshape(1)
+    upper = position.ceil().long().reshape(1)
+    weight = (position - lower.double()).float()
+    threshold = torch.lerp(ranked.index_select(0, lower), ranked.index_select(0, upper), weight)  # [1]
+    return ((entropy * mask >= threshold) & active & (count > 0)).to(mask.dtype)
 
 
 def _gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, inp: TokenInputs, cfg: LossConfig) -> torch.Tensor:
@@ -144,6 +155,18 @@ def grpo_objective(
         if cfg.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics
+
+
+def metric_names(loss_type: str, beta: float, entropy_coef: float) -> list[str]:
+    """The keys `grpo_objective` returns, in order (primitives in, so torch.compile can trace it)."""
+    names = (["kl"] if beta != 0.0 else []) + ["entropy"]
+    if loss_type in CLIPPED_LOSS_TYPES:
+        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    elif loss_type == "cispo":
+        names.append("cispo_clip_ratio")
+    elif loss_type == "vespo":
+        names.append("vespo/phi_seq_mean")
+    return names + (["policy_loss"] if entropy_coef != 0.0 else [])
 
 
 def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:

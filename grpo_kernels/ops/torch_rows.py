@@ -37,6 +37,10 @@ def _others_mass(p: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return p.scatter(-1, ids, 0.0).sum(-1)
 
 
+def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(batch, length, 2, dtype=torch.float32, device=device)
+
+
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,120 @@
+"""The row kernels as torch.library custom ops, so a compiled step with grpo_loss in it is one graph.
+
+Eager calls go through the autograd.Function in api.py (the one-read fused path). Under torch.compile, dynamo
+cannot trace the kernels' host code, so grpo_loss calls two opaque ops, `row_stats` (forward) and `row_grad` (its
+backward), and lets dynamo trace the O(B·T) objective between them; AOT autograd differentiates that objective to
+get g and h. This is the two-read schedule of the sequence-level options, for every option.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from typing import Any
+
+import torch
+
+from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, STRING_OPTIONS, config_from_flat
+
+
+def _rows(backend: str, device: torch.device):
+    from .api import _backend
+
+    return _backend(backend, device)
+
+
+@torch.library.custom_op("grpo_kernels::row_stats", mutates_args=())
+def row_stats_op(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, row_state) from one read of the logits."""
+    from .api import check_ids_range
+
+    check_ids_range(ids, logits.shape[-1])
+    return _rows(backend, logits.device).row_stats(logits, ids, temperature)
+
+
+@row_stats_op.register_fake
+def _(logits, ids, temperature, backend):
+    batch, length, _ = logits.shape
+    stats = logits.new_empty((batch, length), dtype=torch.float32)
+    return stats, torch.empty_like(stats), _rows(backend, logits.device).empty_row_state(batch, length, logits.device)
+
+
+@torch.library.custom_op("grpo_kernels::row_grad", mutates_args=())
+def row_grad_op(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    row_state: torch.Tensor,
+    entropy: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    temperature: float,
+    backend: str,
+) -> torch.Tensor:
+    """∂/∂logits of Σ g·ℓ + Σ h·H, in the logits' dtype."""
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    h = None if h is None else h.float().contiguous()
+    _rows(backend, logits.device).row_grad(logits, ids, row_state, entropy, g.float().contiguous(), h, temperature, out)
+    return out
+
+
+@row_grad_op.register_fake
+def _(logits, ids, row_state, entropy, g, h, temperature, backend):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, ids, temperature, backend = inputs
+    ctx.save_for_backward(logits, ids, output[2], output[1])
+    ctx.temperature, ctx.backend = temperature, backend
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_state):
+    logits, ids, row_state, entropy = ctx.saved_tensors
+    g = torch.zeros_like(entropy) if grad_logp is None else grad_logp
+    grad = row_grad_op(logits, ids, row_state, entropy, g, grad_entropy, ctx.temperature, ctx.backend)
+    return grad, None, None, None
+
+
+row_stats_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# The options as a namedtuple: dynamo traces its construction and attribute reads (not a validating dataclass's).
+TracedConfig = namedtuple("TracedConfig", list(OPTION_DEFAULTS))
+
+
+def traced_config(options: dict[str, Any]) -> TracedConfig:
+    """The options as dynamo can trace them (plain attributes); validated by `validate_config` in the graph."""
+    unknown = [k for k in options if k not in OPTION_DEFAULTS]
+    if unknown:
+        raise TypeError(f"grpo_loss got unknown option(s) {sorted(unknown)}")
+    values = dict(OPTION_DEFAULTS)
+    values.update(options)
+    if values["epsilon_high"] is None:
+        values["epsilon_high"] = values["epsilon_low"]
+    return TracedConfig(**values)
+
+
+@torch.library.custom_op("grpo_kernels::validate_config", mutates_args=())
+def validate_config(x: torch.Tensor, loss_type: str, level: str, numbers: list[float]) -> torch.Tensor:
+    """Runs LossConfig's checks at trace time (through the fake) and at run time; returns a copy of `x`'s sum."""
+    config_from_flat([loss_type, level], numbers)
+    return x.new_zeros(())
+
+
+@validate_config.register_fake
+def _(x, loss_type, level, numbers):
+    config_from_flat([loss_type, level], numbers)
+    return x.new_empty(())
+
+
+def flat_numbers(cfg: TracedConfig) -> list[float]:
+    numbers = []
+    for name in NUMERIC_OPTIONS:
+        value = getattr(cfg, name)
+        numbers.append(math.nan if value is None else float(value))
+    return numbers
+
+
+__all__ = ["row_stats_op", "row_grad_op", "traced_config", "validate_config", "flat_numbers", "STRING_OPTIONS"]
