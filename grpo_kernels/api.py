@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from .config import BACKENDS, LossConfig
+from .distributed import default_data_group
+from .vocab_parallel import ShardBackend, shard_offset
 from .compile_op import flat_numbers, row_stats_op, traced_config, validate_config
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
 
@@ -85,6 +87,7 @@ def _token_inputs(
     sampling_logp: Any,
     *,
     beta: float,
+    data_group: Any = None,
 ) -> TokenInputs:
     batch, length, _ = logits.shape
     dev = logits.device
@@ -107,7 +110,9 @@ def _token_inputs(
         is_ratio = _check_float("importance_sampling_ratio", _check_tensor("importance_sampling_ratio", is_ratio, shapes, dev))
         if is_ratio.dim() == 1:
             is_ratio = is_ratio.unsqueeze(1)
-    return TokenInputs(adv, mask, optional["old_logp"], optional["ref_logp"], is_ratio, optional["sampling_logp"])
+    return TokenInputs(
+        adv, mask, optional["old_logp"], optional["ref_logp"], is_ratio, optional["sampling_logp"], data_group
+    )
 
 
 def _backend(name: str, device: torch.device) -> ModuleType:
@@ -161,7 +166,7 @@ def forward_rows(
             old_logp=None if inp.old_logp is None else inp.old_logp.float(),
             ref_logp=None if inp.ref_logp is None else inp.ref_logp.float(),
             is_ratio=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
-            weight=aggregation_weights(inp.mask, cfg).float(),
+            weight=aggregation_weights(inp.mask, cfg, inp.data_group).float(),
             entropy_weight=entropy_bonus_weights(inp.mask, cfg).float() if cfg.entropy_coef != 0.0 else None,
             cfg=cfg,
             out=out,
@@ -186,7 +191,7 @@ def forward_rows(
 class _GRPOLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, cfg, backend, inp, inplace, ids, metrics_out):  # type: ignore[override]
-        check_ids_range(ids, logits.shape[-1])
+        check_ids_range(ids, getattr(backend, "vocab", logits.shape[-1]))  # a vocabulary shard knows the full V
         out = None
         if ctx.needs_input_grad[0]:
             out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -264,6 +269,8 @@ def grpo_loss(
     sampling_logp: torch.Tensor | None = None,
     inplace_backward: bool = False,
     backend: str = "auto",
+    vocab_parallel_group: Any = None,
+    data_parallel_group: Any = None,
     **options: Any,
 ) -> GRPOOutput:
     """The GRPO loss family (TRL 1.16 semantics, ../shared/GRPO_SPEC.md) from logits, with its gradient.
@@ -282,6 +289,13 @@ def grpo_loss(
             are overwritten during the forward and autograd's version counter is bypassed: use it only when nothing
             else reads these logits afterwards.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+        vocab_parallel_group: a torch.distributed group over which the vocabulary is sharded (Megatron-style
+            tensor-parallel lm_head): `logits` is this rank's contiguous shard [B, T, V_rank], shards in rank order,
+            `completion_ids` are global ids. One all-gather of [B, T, 4] partials per call; the loss and ℓ, H are
+            those of the full vocabulary, and each rank gets its shard's gradient. Rows run as torch ops.
+        data_parallel_group: the group the cross-rank defaults span (dapo-family token count, entropy quantile,
+            metrics). Default: the default process group when torch.distributed is initialized and no
+            vocab_parallel_group is given; with one, no data-parallel reduction unless this is set.
         **options: loss_type ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"), beta,
             epsilon_low, epsilon_high, delta, temperature, importance_sampling_level ("token" | "sequence"),
             use_bias_correction_kl, max_completion_length, num_items_in_batch, sapo_temperature_pos/neg,
@@ -308,10 +322,20 @@ def grpo_loss(
     logits = _check_logits(logits)
     batch, length, vocab = logits.shape
     ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
+    if vocab_parallel_group is None:
+        data_group = default_data_group() if data_parallel_group is None else data_parallel_group
+        rows = _backend(backend, logits.device)
+    else:
+        if backend == "triton":
+            raise ValueError("vocab_parallel_group runs its rows as torch ops; use backend='auto' or 'torch'")
+        _backend(backend, logits.device)  # still validate the name
+        offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group)
+        ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
+        rows, data_group = ShardBackend(vocab_parallel_group, offset, vocab), data_parallel_group
     inp = _token_inputs(
-        logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, beta=cfg.beta
+        logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
+        beta=cfg.beta, data_group=data_group,
     )
-    rows = _backend(backend, logits.device)
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
     metrics: dict[str, torch.Tensor] = {}
@@ -335,7 +359,7 @@ def _compiled_grpo_loss(
     logits = _check_logits(logits)
     batch, length, vocab = logits.shape
     ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
-    inp = _token_inputs(logits, *tensors, beta=cfg.beta)
+    inp = _token_inputs(logits, *tensors, beta=cfg.beta, data_group=default_data_group())
     logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
     loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
     return GRPOOutput(loss=loss.float(), logp=logp.detach(), entropy=entropy.detach(), metrics=metrics)

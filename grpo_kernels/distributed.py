@@ -1,6 +1,6 @@
 """The few cross-rank reductions the loss needs under torch.distributed, as TRL 1.16 does them.
 
-Every function is the identity without an initialized process group, so single-process code pays nothing.
+Each takes the data-parallel group (None: no reduction), so single-process code pays nothing.
 """
 
 from __future__ import annotations
@@ -13,29 +13,34 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+def default_data_group() -> dist.ProcessGroup | None:
+    """The default process group when torch.distributed is initialized, else None."""
+    return dist.group.WORLD if is_distributed() else None
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over ranks (a new tensor; `x` is not modified)."""
-    if not is_distributed():
+def world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum of `x` over the group's ranks (a new tensor; `x` is not modified)."""
+    if group is None:
         return x
     x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
-def all_gather_varlen(x: torch.Tensor) -> torch.Tensor:
+def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate 1-D tensors of different lengths from every rank (rank order)."""
-    if not is_distributed():
+    if group is None:
         return x
     n = torch.tensor([x.numel()], device=x.device, dtype=torch.int64)
-    sizes = [torch.zeros_like(n) for _ in range(world_size())]
-    dist.all_gather(sizes, n)
+    sizes = [torch.zeros_like(n) for _ in range(world_size(group))]
+    dist.all_gather(sizes, n, group=group)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, device=x.device, dtype=x.dtype)
     padded[: x.numel()] = x
     chunks = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(chunks, padded)
+    dist.all_gather(chunks, padded, group=group)
     return torch.cat([c[: int(s.item())] for c, s in zip(chunks, sizes)])

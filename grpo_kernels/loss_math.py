@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import CLIPPED_LOSS_TYPES, LossConfig
-from .distributed import all_gather_varlen, all_reduce_sum, is_distributed, world_size
+from .distributed import all_gather_varlen, all_reduce_sum, world_size
 
 
 @dataclass(frozen=True)
@@ -28,18 +28,19 @@ class TokenInputs:
     ref_logp: torch.Tensor | None  # [B, T]
     is_ratio: torch.Tensor | None  # [B, 1] or [B, T]
     sampling_logp: torch.Tensor | None  # [B, T]
+    data_group: object = None  # the data-parallel process group the defaults span (None: this process alone)
 
 
-def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Tensor:
     """max(N, 1) / P, N = num_items_in_batch (default: active tokens on all ranks), P = world size."""
     if cfg.num_items_in_batch is not None:
         n = torch.tensor(cfg.num_items_in_batch, dtype=torch.float64, device=mask.device)
     else:
-        n = all_reduce_sum(mask.sum())
-    return n.clamp(min=1.0) / world_size()
+        n = all_reduce_sum(mask.sum(), group)
+    return n.clamp(min=1.0) / world_size(group)
 
 
-def aggregation_weights(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+def aggregation_weights(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Tensor:
     """w[b, t] such that the aggregated loss is Σ w·L (the table under 'Aggregation' in GRPO_SPEC)."""
     batch, length = mask.shape
     if cfg.loss_type in ("grpo", "sapo"):
@@ -50,7 +51,7 @@ def aggregation_weights(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
         return mask / (batch * (cfg.max_completion_length or length))
     if cfg.loss_type == "luspo":
         return mask / batch
-    return mask / dapo_normalizer(mask, cfg)  # dapo, cispo, vespo
+    return mask / dapo_normalizer(mask, cfg, group)  # dapo, cispo, vespo
 
 
 def entropy_bonus_weights(effective_mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -58,12 +59,12 @@ def entropy_bonus_weights(effective_mask: torch.Tensor, cfg: LossConfig) -> torc
     return -cfg.entropy_coef * effective_mask / effective_mask.sum().clamp(min=1.0)
 
 
-def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, group=None) -> torch.Tensor:
     """Keep active tokens with H >= the (1 − q) quantile of the active entropies of all ranks (TRL's threshold,
     in float32 as TRL takes it). Sort-based, without data-dependent shapes, so torch.compile can trace it."""
     active = mask.bool()
-    if is_distributed():
-        values = all_gather_varlen(entropy[active].float())
+    if group is not None:
+        values = all_gather_varlen(entropy[active].float(), group)
         count = torch.tensor(values.numel(), device=entropy.device)
     else:
         values = entropy.float().masked_fill(~active, math.inf).flatten()  # inactive tokens sort last
@@ -134,7 +135,7 @@ def grpo_objective(
 
     entropy_mask = None
     if cfg.top_entropy_quantile < 1.0:
-        entropy_mask = _high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile)
+        entropy_mask = _high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile, inp.data_group)
         per_token = per_token * entropy_mask
 
     if inp.is_ratio is not None and cfg.loss_type != "vespo":
@@ -142,16 +143,17 @@ def grpo_objective(
     if cfg.beta != 0.0:
         per_token = per_token + cfg.beta * kl
 
-    loss = (per_token * aggregation_weights(mask, cfg)).sum()
+    loss = (per_token * aggregation_weights(mask, cfg, inp.data_group)).sum()
     policy_loss = loss.detach()
     if cfg.entropy_coef != 0.0:
         effective = mask if entropy_mask is None else mask * entropy_mask
         loss = loss + (entropy * entropy_bonus_weights(effective, cfg)).sum()
 
     with torch.no_grad():
-        metrics = _metrics(entropy.detach(), kl.detach() if cfg.beta != 0.0 else None, ratio.detach(), adv, mask, cfg)
+        kl_value = kl.detach() if cfg.beta != 0.0 else None
+        metrics = _metrics(entropy.detach(), kl_value, ratio.detach(), adv, mask, cfg, inp.data_group)
         if cfg.loss_type == "vespo":
-            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask))
+            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask, inp.data_group))
         if cfg.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics
@@ -169,7 +171,7 @@ def metric_names(loss_type: str, beta: float, entropy_coef: float) -> list[str]:
     return names + (["policy_loss"] if entropy_coef != 0.0 else [])
 
 
-def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
     """Token-weighted means over all ranks in one all-reduce; [B, 1] values average over sequences (as TRL)."""
     sums = []
     for x in values.values():
@@ -177,7 +179,7 @@ def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[s
             sums += [x.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)]
         else:
             sums += [(x * mask).sum(), mask.sum()]
-    totals = all_reduce_sum(torch.stack(sums).double())
+    totals = all_reduce_sum(torch.stack(sums).double(), group)
     return {name: totals[2 * i] / totals[2 * i + 1].clamp(min=1.0) for i, name in enumerate(values)}
 
 
@@ -188,6 +190,7 @@ def _metrics(
     adv: torch.Tensor,
     mask: torch.Tensor,
     cfg: LossConfig,
+    group=None,
 ) -> dict[str, torch.Tensor]:
     values: dict[str, torch.Tensor] = {}
     if kl is not None:
@@ -201,4 +204,4 @@ def _metrics(
         values["clip_ratio/region_mean"] = torch.maximum(low, high)
     elif cfg.loss_type == "cispo":
         values["cispo_clip_ratio"] = ((ratio > cfg.epsilon_high) & (adv > 0)).double()
-    return _global_means(values, mask)
+    return _global_means(values, mask, group)

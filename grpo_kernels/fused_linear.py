@@ -1,0 +1,162 @@
+"""`fused_linear_grpo_loss`: the GRPO loss straight from hidden states and the lm_head weight, logits never stored.
+
+A call flows: validate (the same helpers as `grpo_loss`) -> pass 1 over vocabulary tiles gives ℓ, H, lse per token
+-> the float64 objective gives g = ∂loss/∂ℓ, h = ∂loss/∂H -> pass 2 recomputes the tiles and accumulates ∂hidden,
+∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .api import LOGITS_DTYPES, GRPOOutput, _backend, _check_ids, _token_inputs, check_ids_range
+from .config import LossConfig
+from .distributed import default_data_group
+from .loss_math import TokenInputs, grpo_objective
+
+
+def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be 3-D (B, T, H), got {hidden.dim()}-D with shape {tuple(hidden.shape)}")
+    if hidden.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    if min(hidden.shape) == 0:
+        raise ValueError(f"hidden must have B, T, H >= 1, got shape {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] == 0:
+        raise ValueError(f"weight must have shape (V, {hidden.shape[2]}) with V >= 1, got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight and hidden must have the same dtype, got {weight.dtype} and {hidden.dtype} "
+            "(cast one; autocast is not applied inside the fused loss)"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight must be on hidden's device {hidden.device}, got {weight.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias must be on hidden's device {hidden.device}, got {bias.device}")
+
+
+def _linear_backend(name: str, device: torch.device) -> ModuleType:
+    """The fused-linear twin of the logits backend `grpo_loss` would pick (same names, same device rules)."""
+    from .ops import torch_rows
+
+    if _backend(name, device) is torch_rows:
+        from .ops import linear_torch
+
+        return linear_torch
+    from .ops import linear_triton
+
+    return linear_triton
+
+
+class _FusedLinearGRPOFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, cfg, backend, inp, ids, metrics_out):  # type: ignore[override]
+        needs = tuple(ctx.needs_input_grad[:3])
+        # The tiles' precision is fixed here (fp32 logits, fp32 accumulation), not by an enclosing autocast.
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, entropy, lse = backend.stats(hidden, weight, bias, ids, cfg.temperature)
+            with torch.enable_grad():
+                lp = logp.double().requires_grad_(any(needs))
+                ent = entropy.double().requires_grad_(any(needs) and cfg.entropy_coef != 0.0)
+                loss, metrics = grpo_objective(lp, ent, inp, cfg)
+            grads: tuple[torch.Tensor | None, ...] = (None, None, None)
+            if any(needs):
+                wrt = [lp] + ([ent] if ent.requires_grad else [])
+                dl = torch.autograd.grad(loss, wrt, allow_unused=True)
+                g = torch.zeros_like(logp) if dl[0] is None else dl[0].float()
+                h = dl[1].float() if len(dl) > 1 and dl[1] is not None else None
+                grads = backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, cfg.temperature, needs)
+        metrics_out.update(metrics)
+        ctx.grads = grads
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss.detach().to(torch.float32), logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):  # type: ignore[override]
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "fused_linear_grpo_loss: backward called a second time; the stored gradients are consumed by the "
+                "first backward (use retain_graph only with a fresh call)"
+            )
+        ctx.grads = None
+        if not (grad_loss.numel() == 1 and bool(grad_loss == 1)):
+            grads = tuple(None if x is None else x.mul_(grad_loss.to(x.dtype)) for x in grads)
+        return (*grads, None, None, None, None, None)
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    sampling_logp: torch.Tensor | None = None,
+    backend: str = "auto",
+    **options: Any,
+) -> GRPOOutput:
+    """The GRPO loss family of `grpo_loss` on logits = hidden @ weight.T + bias, without a (B·T, V) tensor.
+
+    The vocabulary is streamed in tiles twice: once for the log-probabilities and entropies (fp32 logits, online
+    logsumexp), once, after the float64 objective gives each token's gradient coefficients, to accumulate the
+    gradients of hidden, weight and bias in fp32. Extra memory is O(B·T·H + one tile); both passes run in the
+    forward and the backward only scales. Exact: every token and vocabulary entry contributes, nothing is filtered
+    (tokens whose gradient coefficients are exactly 0, such as padding, skip the second pass: they add exactly 0).
+    The logits are formed in fp32 from the inputs' values (more exact than materialized bf16 logits); on CUDA the
+    logits' gradient is rounded to the inputs' dtype before the two gradient GEMMs, as materialized ∂logits are.
+    An enclosing autocast is not applied: hidden and weight must share a dtype.
+
+    Args:
+        hidden: [B, T, H] float32/bfloat16/float16, the final hidden states that score `completion_ids` (already
+            shifted); strided views such as `last_hidden_state[:, -T-1:-1]` are read in place, never copied.
+        weight: [V, H] the lm_head (or tied embedding) weight, same dtype and device as hidden.
+        completion_ids: [B, T] int32/int64 in [0, V).
+        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, **options:
+            exactly as in `grpo_loss` (all eight loss types and every option).
+        bias: [V] or None, the lm_head bias.
+        backend: "auto" (Triton folds on CUDA, torch tiles elsewhere), "triton" or "torch".
+    Returns:
+        GRPOOutput(loss, logp, entropy, metrics); `loss` is differentiable w.r.t. hidden, weight and bias.
+
+    Example:
+        >>> hidden = torch.randn(2, 5, 16, requires_grad=True)
+        >>> lm_head = torch.nn.Linear(16, 50, bias=False)
+        >>> ids = torch.randint(0, 50, (2, 5))
+        >>> out = fused_linear_grpo_loss(hidden, lm_head.weight, ids, advantages=torch.tensor([1.0, -1.0]))
+        >>> out.loss.backward()  # hidden.grad, lm_head.weight.grad
+    """
+    unknown = set(options) - set(LossConfig.option_names())
+    if unknown:
+        raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
+    cfg = LossConfig(**options)
+    _check_linear(hidden, weight, bias)
+    batch, length, _ = hidden.shape
+    ids = _check_ids(completion_ids, batch, length, weight.shape[0], hidden.device)
+    check_ids_range(ids, weight.shape[0])
+    inp: TokenInputs = _token_inputs(
+        hidden, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
+        beta=cfg.beta, data_group=default_data_group(),
+    )
+    rows = _linear_backend(backend, hidden.device)
+    metrics: dict[str, torch.Tensor] = {}
+    loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, ids, metrics)
+    return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
