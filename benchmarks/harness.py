@@ -63,6 +63,13 @@ def versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    if out["grpo-kernels"] is None:  # run from a checkout that isn't pip-installed (a GPU machine): say so
+        try:
+            import grpo_kernels
+
+            out["grpo-kernels"] = f"{grpo_kernels.__version__} (from the checkout, not installed)"
+        except ImportError:
+            pass
     return out
 
 
@@ -74,6 +81,7 @@ def git_revision() -> str | None:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
+            check=False,
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
@@ -120,6 +128,7 @@ def device_info(device: str) -> dict[str, Any]:
         try:
             smi = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                check=False,
                 capture_output=True,
                 text=True,
                 timeout=20,
@@ -152,7 +161,7 @@ def device_slug(info: dict[str, Any]) -> str:
 
 def _proc_status_kib(key: str) -> int | None:
     try:
-        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     except OSError:
         return None
     return int(match.group(1)) if match else None

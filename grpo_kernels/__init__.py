@@ -3,12 +3,14 @@
 from .advantages import group_advantages
 from .api import GRPOLoss, GRPOOutput, grpo_loss, selective_log_softmax
 from .config import LOSS_TYPES, LossConfig
+from .fused_linear import fused_linear_grpo_loss
 
 __all__ = [
     "GRPOLoss",
     "GRPOOutput",
     "LOSS_TYPES",
     "LossConfig",
+    "fused_linear_grpo_loss",
     "group_advantages",
     "grpo_loss",
     "selective_log_softmax",

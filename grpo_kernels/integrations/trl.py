@@ -21,7 +21,8 @@ def _check_trl_version() -> None:
         import trl
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "grpo_kernels.integrations.trl needs TRL; install the supported version with `pip install 'grpo-kernels[trl]'`"
+            "grpo_kernels.integrations.trl needs TRL; install the supported version with "
+            "`pip install 'grpo-kernels[trl]'`"
         ) from exc
     from packaging.version import Version
 
@@ -36,33 +37,37 @@ def _check_trl_version() -> None:
 
 _check_trl_version()
 
-from trl import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import nanmax, nanmin  # noqa: E402
+from trl import GRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
 
-from ..api import grpo_loss  # noqa: E402
+from ..api import grpo_loss
 
 # The losses TRL normalizes by `num_items_in_batch` (active tokens of the whole generation batch), not per micro-batch.
 _TOKEN_COUNT_LOSSES = ("cispo", "dapo", "vespo")
 _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# Multimodal tensors TRL's `_get_per_token_logps_and_entropies` forwards to the model. It slices them per chunk;
-# `_compute_loss` runs a single chunk of the whole batch, where every slice is the identity, so they pass unchanged.
-_MODEL_INPUT_KEYS = ("pixel_attention_mask", "image_sizes", "token_type_ids", "mm_token_type_ids")
 
 
 def _model_inputs(inputs: dict[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
-    """The forward's keyword arguments, exactly those TRL 1.16 passes for a single chunk of the whole batch."""
+    """The forward's keyword arguments: those TRL 1.16's `_get_per_token_logps_and_entropies` passes.
+
+    TRL slices the multimodal tensors per chunk of sequences; `_compute_loss` runs one chunk of the whole batch,
+    where every slice is the identity, so they pass unchanged. The branches follow TRL's, in its order.
+    """
     model_inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
     pixel_values = inputs.get("pixel_values")
+    spatial_shapes = inputs.get("spatial_shapes")
     if pixel_values is not None:
         model_inputs["pixel_values"] = pixel_values
-        # TRL's branches, in its order: the first present key decides which companion tensor goes with the pixels
         if inputs.get("image_grid_thw") is not None:
             model_inputs["image_grid_thw"] = inputs["image_grid_thw"]
         elif inputs.get("image_position_ids") is not None:
             model_inputs["image_position_ids"] = inputs["image_position_ids"]
-        elif inputs.get("spatial_shapes") is not None:
-            model_inputs["spatial_shapes"] = inputs["spatial_shapes"]
-    for key in _MODEL_INPUT_KEYS:
+        elif spatial_shapes is not None:  # LFM2-VL: tile-indexed
+            model_inputs["pixel_attention_mask"] = inputs.get("pixel_attention_mask")
+            model_inputs["spatial_shapes"] = spatial_shapes
+    if inputs.get("pixel_attention_mask") is not None and spatial_shapes is None:
+        model_inputs["pixel_attention_mask"] = inputs["pixel_attention_mask"]
+    for key in ("image_sizes", "token_type_ids", "mm_token_type_ids"):
         if inputs.get(key) is not None:
             model_inputs[key] = inputs[key]
     return model_inputs
@@ -195,9 +200,13 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
                 window_stats = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
                 world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
                 if world_entropy <= self.args.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+                    self.entropy_coef = min(
+                        self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max
+                    )
                 else:
-                    self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+                    self.entropy_coef = max(
+                        self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min
+                    )
                 self._last_world_entropy = world_entropy
                 self._entropy_window_stats = None
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..config import CLIPPED_LOSS_TYPES, LossConfig
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
 
 # ------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -53,27 +53,27 @@ def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr):
         b_x = tl.where(o_v == y, float("-inf"), b_x)  # [BLOCK_V]
         b_m_new = tl.maximum(b_m, tl.max(b_x, 0))
         # A row that is -inf so far (leading padded tiles) has no scale yet; any finite reference does.
-        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_z = (b_x - b_ref) * k2  # [BLOCK_V]
+        b_mx = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_z = (b_x - b_mx) * k2  # [BLOCK_V]
         b_e = tl.exp2(b_z)
-        b_d = (b_m - b_ref) * k2  # <= 0: how far the old sums sink under the new max
+        b_d = (b_m - b_mx) * k2  # <= 0: how far the old sums sink under the new max
         b_alpha = tl.exp2(b_d)
         # Rescale Σe·z2 to the new max: Σ α e (z2 + d) = α (t + d·s); α == 0 (old max -inf) would give 0·inf.
         b_to = tl.where(b_alpha > 0, b_alpha * (b_to + b_d * b_so), 0.0)
         b_to += tl.sum(b_e * tl.where(b_e > 0, b_z, 0.0), 0)  # −inf logits: e·z2 is 0, not 0·(−inf)
         b_so = b_alpha * b_so + tl.sum(b_e, 0)  # a NaN logit reaches the sums here (not masked) and propagates
         b_m = b_m_new
-    b_ref = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_zy = (x_y - b_ref) * k2
+    b_mx = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_zy = (x_y - b_mx) * k2
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
     b_t = b_to + b_ey * tl.where(b_ey > 0, b_zy, 0.0)
-    return b_ref, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s
+    return b_mx, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s
 
 
 @triton.jit
 def _row_grad_store(
-    p_x, p_o, y, V, k2, inv_tau, b_ref, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr
+    p_x, p_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile. Each tile is read before it is
     written, so `p_o` may point at the logits themselves."""
@@ -83,7 +83,7 @@ def _row_grad_store(
         o_v = v0 + o_b
         m_v = o_v < V
         b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
-        b_z = (b_x - b_ref) * k2  # [BLOCK_V], same ops as pass 1: bit-identical z2
+        b_z = (b_x - b_mx) * k2  # [BLOCK_V], as in pass 1
         b_p = tl.exp2(b_z - b_log2s)
         if HAS_ENT:
             # Where p == 0 (−inf padding) the centered term is p·(z' − c) = 0, not 0·(−inf); a NaN p stays NaN.
@@ -95,8 +95,9 @@ def _row_grad_store(
 
 
 @triton.jit
-def _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED: tl.constexpr):
-    i_row = tl.cast(i_row, tl.int64)  # B·T·V exceeds 2^31
+def _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED: tl.constexpr):
+    """(row, b, t, offset of the row's first logit), all int64."""
+    i_row = tl.cast(i_r, tl.int64)  # B·T·V exceeds 2^31
     i_b = i_row // T
     i_t = i_row % T
     o_x = i_b * stride_xb + i_t * stride_xt
@@ -124,14 +125,14 @@ def row_stats_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    for i_row in range(tl.program_id(0), N, tl.num_programs(0)):
-        i_row, i_b, i_t, o_x = _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED)
+    for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
+        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        b_ref, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
+        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
         tl.store(logp_ptr + i_row, (b_zy - b_log2s) * LN2)
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         p_s = state_ptr + i_row * 4
-        tl.store(p_s, b_ref)
+        tl.store(p_s, b_mx)
         tl.store(p_s + 1, b_log2s)
         tl.store(p_s + 2, b_q)
         tl.store(p_s + 3, b_c2)
@@ -175,14 +176,14 @@ def row_stats_bwd_kernel(
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    for i_row in range(tl.program_id(0), N, tl.num_programs(0)):
-        i_row, i_b, i_t, o_x = _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED)
+    for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
+        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
         o_o = i_b * stride_ob + i_t * stride_ot
         if ALIGNED:
             o_o = tl.multiple_of(o_o, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
         p_s = state_ptr + i_row * 4
-        b_ref = tl.load(p_s)
+        b_mx = tl.load(p_s)
         b_log2s = tl.load(p_s + 1)
         b_q = tl.load(p_s + 2)
         b_c2 = tl.load(p_s + 3)
@@ -191,7 +192,7 @@ def row_stats_bwd_kernel(
         if HAS_ENT:
             b_h = _load_bt(h_ptr, i_b, i_t, stride_hb, stride_ht)
         _row_grad_store(
-            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_ref, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
+            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
         )
 
 
@@ -200,7 +201,7 @@ def _token_coef(
     b_lp,
     b_adv,
     b_old,
-    b_ref,
+    b_lref,
     b_rho,
     b_w,
     lo,
@@ -240,7 +241,7 @@ def _token_coef(
     if HAS_RATIO:
         b_dl = b_dl * b_rho
     if HAS_REF:  # k3 estimator exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1
-        b_diff = b_ref - b_lp
+        b_diff = b_lref - b_lp
         b_ed = tl.exp(b_diff)
         b_dkl = 1.0 - b_ed
         if BIAS_KL:  # kl·r, r before any delta clamp
@@ -317,20 +318,16 @@ def fused_token_grad_fwd_kernel(
     HAS_ENT: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    for i_row in range(tl.program_id(0), N, tl.num_programs(0)):
-        i_row, i_b, i_t, o_x = _row_offsets(i_row, T, stride_xb, stride_xt, ALIGNED)
+    for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
+        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
         o_o = i_b * stride_ob + i_t * stride_ot
         if ALIGNED:
             o_o = tl.multiple_of(o_o, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        b_ref, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
-        b_lp = (b_zy - b_log2s) * LN2
-        tl.store(logp_ptr + i_row, b_lp)
-        tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
-
+        # The per-token inputs are loaded before pass 1, so their latency hides behind it.
         b_adv = _load_bt(adv_ptr, i_b, i_t, stride_ab, stride_at)
         b_w = _load_bt(w_ptr, i_b, i_t, stride_wb, stride_wt)
-        b_old = b_lp
+        b_old = 0.0
         if HAS_OLD:
             b_old = _load_bt(old_ptr, i_b, i_t, stride_oldb, stride_oldt)
         b_lref = 0.0
@@ -342,12 +339,19 @@ def fused_token_grad_fwd_kernel(
         b_h = 0.0
         if HAS_ENT:
             b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
+
+        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
+        b_lp = (b_zy - b_log2s) * LN2
+        tl.store(logp_ptr + i_row, b_lp)
+        tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
+        if not HAS_OLD:
+            b_old = b_lp  # ℓ_old = sg(ℓ): the ratio is exactly 1
         b_g = _token_coef(
             b_lp, b_adv, b_old, b_lref, b_rho, b_w, lo, hi, delta, eps_high, beta, sapo_pos, sapo_neg,
             LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
         )  # fmt: skip
         _row_grad_store(
-            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_ref, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
+            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
         )
 
 
@@ -552,7 +556,7 @@ def row_stats(
 
 def row_lse(row_state: torch.Tensor, temperature: float) -> torch.Tensor:
     """logsumexp(logits/τ) per row, [B, T] float32, from `row_stats`' state (for callers that want it)."""
-    return row_state[..., 0] / temperature + LN2 * row_state[..., 1]
+    return row_state[..., 0] / temperature + LN2.value * row_state[..., 1]
 
 
 def row_grad(

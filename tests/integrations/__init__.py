@@ -14,7 +14,7 @@ PAD_ID, EOS_ID = 0, 1
 
 
 def save_tiny_model(path: Path, *, moe: bool = False, seed: int = 0) -> Path:
-    """A 2-layer, hidden-32 Qwen2 (or Qwen2-MoE) causal LM and a char tokenizer, saved under `path` for loading by path."""
+    """A 2-layer, hidden-32 Qwen2 (or Qwen2-MoE) causal LM and a char tokenizer, saved under `path` (load by path)."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -62,11 +62,11 @@ def save_tiny_model(path: Path, *, moe: bool = False, seed: int = 0) -> Path:
     return path
 
 
-def char_fraction_reward(char: str = "a"):
-    """A rule-based reward: the fraction of the completion's characters equal to `char`."""
+def char_fraction_reward(chars: str = "abcdefghijklm"):
+    """A rule-based reward: the fraction of the completion's characters that are in `chars`."""
 
     def reward(completions, **kwargs):
-        return [c.count(char) / max(len(c), 1) for c in completions]
+        return [sum(c in chars for c in completion) / max(len(completion), 1) for completion in completions]
 
-    reward.__name__ = f"fraction_of_{char}"
+    reward.__name__ = "char_fraction"
     return reward
