@@ -210,8 +210,9 @@ class _GRPOLossFunction(torch.autograd.Function):
                 "(use retain_graph only with a fresh grpo_loss call)"
             )
         ctx.grad_logits = None
-        if not (grad_loss.numel() == 1 and bool(grad_loss == 1)):
-            grad.mul_(grad_loss.to(grad.dtype))
+        scale = float(grad_loss)  # one host sync for a scalar; saves a pass over the gradient when it is 1
+        if scale != 1.0:
+            grad.mul_(scale)  # a Python scalar is applied in fp32 (opmath), not rounded to the gradient's dtype
         return grad, None, None, None, None, None, None
 
 

@@ -94,8 +94,9 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
                 "first backward (use retain_graph only with a fresh call)"
             )
         ctx.grads = None
-        if not (grad_loss.numel() == 1 and bool(grad_loss == 1)):
-            grads = tuple(None if x is None else x.mul_(grad_loss.to(x.dtype)) for x in grads)
+        scale = float(grad_loss)  # applied in fp32 (opmath), not rounded to the gradients' dtype first
+        if scale != 1.0:
+            grads = tuple(None if x is None else x.mul_(scale) for x in grads)
         return (*grads, None, None, None, None, None)
 
 
