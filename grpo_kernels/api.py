@@ -92,7 +92,7 @@ def _token_inputs(
     batch, length, _ = logits.shape
     dev = logits.device
     bt = ((batch, length),)
-    adv = _check_float("advantages", _check_tensor("advantages", advantages, ((batch,), (batch, length)), dev))
+    adv = _check_float("advantages", _check_tensor("advantages", advantages, ((batch,), (batch, 1), (batch, length)), dev))
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)
     if completion_mask is None:
@@ -280,7 +280,7 @@ def grpo_loss(
         logits: [B, T, V] float32/bfloat16/float16, `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
         completion_ids: [B, T] int32/int64 in [0, V).
-        advantages: [B] or [B, T].
+        advantages: [B], [B, 1] or [B, T].
         completion_mask: [B, T] bool/int/float, 1 = a token that counts; default all ones.
         old_logp: [B, T] log-probs of the policy that sampled; None = the detached current ones (ratio 1).
         ref_logp: [B, T] reference log-probs; required when beta != 0.

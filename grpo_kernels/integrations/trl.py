@@ -119,9 +119,9 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     # the end also holds for a model that ignores `logits_to_keep` and returns every position.
     logits = outputs.logits[:, -(length + 1) : -1]  # [B, T, V], a strided view
 
-    # ---- TRL's normalizers outside the per-token math. `scale` multiplies our loss (which is TRL's at gradient
-    # accumulation 1); the entropy bonus is divided by the accumulation factor only, so its coefficient is
-    # pre-divided by what `scale` adds on top of that.
+    # ---- TRL's normalizers outside the per-token math. grpo_loss gives TRL's loss at accumulation 1 (and, for the
+    # token-count losses, steps_per_generation 1); `scale` brings it to TRL's. TRL divides the entropy bonus by the
+    # accumulation factor only, so the coefficient handed to grpo_loss is pre-divided by what `scale` adds to that.
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
     if self.loss_type in _TOKEN_COUNT_LOSSES:
         # TRL: Σ m L / (N / P · accumulation / steps_per_generation), N spanning the generation batch

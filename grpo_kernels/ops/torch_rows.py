@@ -32,39 +32,39 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torc
     return z / temperature if temperature != 1.0 else z
 
 
-def _others_mass(p: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Σ_{v ≠ y} p_v without cancellation: 1 − p_y for a peaked row."""
-    return p.scatter(-1, ids, 0.0).sum(-1)
-
-
 def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(batch, length, 2, dtype=torch.float32, device=device)
+    return torch.empty(batch, length, 3, dtype=torch.float32, device=device)
 
 
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp, entropy [B, T] float32; row_state [B, T, 2] = (raw row max, log Σ e^z')."""
+    """(logp, entropy, row_state): logp, entropy [B, T] float32; row_state [B, T, 3] = (raw row max, log Σ e^z',
+    1 − p_y)."""
     batch, length, vocab = logits.shape
     logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
-    state = torch.empty(batch, length, 2, dtype=torch.float32, device=logits.device)
+    state = empty_row_state(batch, length, logits.device)
+    lowest = torch.finfo(torch.float32).min
     for b, ts in _row_chunks(batch, length, vocab):
         x = logits[b, ts]
         y = ids[b, ts].long().unsqueeze(-1)
         row_max = x.amax(-1).float()
-        z = _shifted(x, row_max, temperature)  # [rows, V], <= 0
+        z = _shifted(x, row_max, temperature).clamp_(min=lowest)  # [rows, V] <= 0; −inf -> lowest keeps e·z at 0
         e = torch.exp(z)
-        log_sum = torch.log(e.sum(-1))
         e_y = e.gather(-1, y).squeeze(-1)
         z_y = z.gather(-1, y).squeeze(-1)
+        e.scatter_(-1, y, 0.0)  # the sums below run over v != y: 1 − p_y without cancellation
+        others = e.sum(-1)
+        total = others + e_y
+        log_sum = torch.log(total)
+        weighted = torch.linalg.vecdot(e, z) + e_y * z_y  # Σ e·z' without a [rows, V] product
         # ℓ = −log(1 + Σ_{v≠y} e_v / e_y): exact near 0 through log1p; plain z'_y − log Σ where p_y is tiny.
-        others = _others_mass(e, y)
         logp[b, ts] = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)
-        p = e / e.sum(-1, keepdim=True)
-        entropy[b, ts] = log_sum - torch.where(p > 0, p * z, 0.0).sum(-1)  # p·z' = 0 where p = 0 (−inf padding)
+        entropy[b, ts] = log_sum - weighted / total
         state[b, ts, 0] = row_max
         state[b, ts, 1] = log_sum
+        state[b, ts, 2] = others / total
     return logp, entropy, state
 
 
@@ -82,15 +82,18 @@ def row_grad(
     batch, length, vocab = logits.shape
     for b, ts in _row_chunks(batch, length, vocab):
         y = ids[b, ts].long().unsqueeze(-1)
-        row_max, log_sum = state[b, ts, 0], state[b, ts, 1]
-        z = _shifted(logits[b, ts], row_max, temperature)
-        p = torch.exp(z - log_sum.unsqueeze(-1))
+        row_max, log_sum, others = state[b, ts, 0], state[b, ts, 1], state[b, ts, 2]
         g_b = g[b, ts].unsqueeze(-1)
-        grad = -g_b * p
-        grad.scatter_(-1, y, g_b * _others_mass(p, y).unsqueeze(-1))  # g·(1 − p_y) at the target
-        if h is not None:
-            centered = z - (log_sum - entropy[b, ts]).unsqueeze(-1)  # z' − Σ p·z'
-            grad -= h[b, ts].unsqueeze(-1) * torch.where(p > 0, p * centered, 0.0)
+        z = _shifted(logits[b, ts], row_max, temperature)
+        target = (g_b.squeeze(-1) * others).unsqueeze(-1)  # g·(1 − p_y), exact for a peaked row
+        if h is None:
+            grad = z.sub_(log_sum.unsqueeze(-1)).exp_().mul_(-g_b)  # −g·p, in place
+            grad.scatter_(-1, y, target)
+        else:
+            p = torch.exp(z - log_sum.unsqueeze(-1))
+            centered = z.sub_((log_sum - entropy[b, ts]).unsqueeze(-1))  # z' − Σ p·z'
+            grad = torch.where(p > 0, p * centered, 0.0).mul_(-h[b, ts].unsqueeze(-1))  # −h·p·(z' − Σpz')
+            grad.sub_(g_b * p.scatter_(-1, y, 0.0)).scatter_add_(-1, y, target)
         if temperature != 1.0:
             grad /= temperature
-        out[b, ts] = grad.to(out.dtype)
+        out[b, ts] = grad
