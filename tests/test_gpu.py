@@ -14,9 +14,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 KERNELS = (triton_logits.row_stats_fwd_kernel, triton_logits.row_stats_bwd_kernel, triton_logits.fused_token_grad_fwd_kernel)
 
 
+def _jit(kernel):
+    while not hasattr(kernel, "device_caches"):  # @triton.heuristics wraps the JITFunction
+        kernel = kernel.fn
+    return kernel
+
+
 def _compiled_kernels() -> int:
     """Kernel binaries Triton has compiled so far (its per-device caches; the first slot is the kernel cache)."""
-    return sum(len(entry[0]) for k in KERNELS for entry in k.device_caches.values())
+    return sum(len(entry[0]) for k in KERNELS for entry in _jit(k).device_caches.values())
 
 
 def _problem(batch, length, vocab, dtype, seed=0):

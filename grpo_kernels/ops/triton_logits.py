@@ -379,7 +379,7 @@ def _block_config(vocab: int) -> tuple[int, int]:
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936): 16-19 tiles of 8192 with 512 threads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_caps(index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
     return props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
@@ -443,11 +443,19 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
 
 
+ROW_STATE_WIDTH = 4  # (row max, log2 Σe, 1 − p_y, Σ p·z2): see row_stats
+
+
+def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized row_state of the shape `row_stats` returns (torch.compile's fake kernel needs it)."""
+    return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=torch.float32, device=device)
+
+
 def _fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
     batch, length, vocab = _check_rows(logits, ids)
     logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
-    state = torch.empty(batch, length, 4, dtype=torch.float32, device=logits.device)
+    state = empty_row_state(batch, length, logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
     grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
@@ -462,7 +470,7 @@ def _fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
 
 def _bwd(logits, ids, state, g, h, temperature, out) -> None:
     batch, length, vocab = _check_rows(logits, ids)
-    if state.shape != (batch, length, 4) or state.dtype != torch.float32 or not state.is_contiguous():
+    if state.shape != (batch, length, ROW_STATE_WIDTH) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(
             f"row_state must be the contiguous [B, T, 4] float32 tensor returned by this module's row_stats, "
             f"got {tuple(state.shape)} {state.dtype}"
