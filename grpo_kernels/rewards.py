@@ -1,0 +1,299 @@
+"""Deterministic rule-based rewards in TRL's form `f(completions, **columns) -> list[float | None]`.
+
+`None` for a sample means "not applicable" (no gold answer, no tests): `combine_rewards` skips it, as TRL does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+from typing import Any
+
+RewardFunc = Callable[..., list[float | None]]
+
+THINK_TAGS = ("<think>", "</think>")
+ANSWER_TAGS = ("<answer>", "</answer>")
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: a string, or TRL's conversational form `[{"role": "assistant", "content": ...}]`."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    raise TypeError(f"a completion must be a str or a list of chat messages, got {type(completion).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Format
+
+
+def make_format_reward(
+    think_tags: tuple[str, str] = THINK_TAGS, answer_tags: tuple[str, str] = ANSWER_TAGS, *, strict: bool = True
+) -> RewardFunc:
+    """A format reward: 1.0 when a think block comes before an answer block, else 0.0.
+
+    strict: the completion is exactly `<think>…</think>` then `<answer>…</answer>` (whitespace between and around),
+        each tag exactly once. lenient: a think block followed somewhere later by an answer block, any text around.
+    """
+    (t_open, t_close), (a_open, a_close) = think_tags, answer_tags
+    t_open, t_close, a_open, a_close = map(re.escape, (t_open, t_close, a_open, a_close))
+    if strict:
+
+        def inner(o: str, c: str) -> str:
+            return f"(?:(?!{o}|{c}).)*"  # no nested or repeated tag inside a block
+
+        pattern = re.compile(
+            rf"\s*{t_open}{inner(t_open, t_close)}{t_close}\s*{a_open}{inner(a_open, a_close)}{a_close}\s*", re.DOTALL
+        )
+        match = pattern.fullmatch
+    else:
+        match = re.compile(rf"{t_open}.*?{t_close}.*?{a_open}.*?{a_close}", re.DOTALL).search
+
+    def format_reward(completions: Sequence[Any], **columns: Any) -> list[float | None]:
+        return [1.0 if match(completion_text(c)) else 0.0 for c in completions]
+
+    format_reward.__name__ = "format_reward" if strict else "format_lenient_reward"
+    return format_reward
+
+
+format_reward = make_format_reward(strict=True)
+format_lenient_reward = make_format_reward(strict=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Accuracy
+
+
+def extract_answer(text: str, answer_tags: tuple[str, str] = ANSWER_TAGS) -> str | None:
+    """The content of the last `<answer>…</answer>` block, else of the last `\\boxed{…}`, else None."""
+    a_open, a_close = map(re.escape, answer_tags)
+    blocks = re.findall(rf"{a_open}(.*?){a_close}", text, re.DOTALL)
+    if blocks:
+        return blocks[-1].strip()
+    return last_boxed(text)
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{…}` (or `\\fbox{…}`), braces balanced; None when there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None  # unbalanced: the completion was cut off inside the box
+
+
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+_NUMBER_WITH_COMMAS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+
+
+def _normalize(answer: str) -> str:
+    """Spellings math-verify misses: LaTeX thousands separators `1{,}000`/`1\\,000`, `\\%`, `\\$`, `\\!`."""
+    answer = answer.strip().strip("$").strip()
+    for old, new in (("{,}", ""), ("\\,", ""), ("\\!", ""), ("\\%", "%"), ("\\$", ""), ("\\text{%}", "%")):
+        answer = answer.replace(old, new)
+    return answer.strip().rstrip(".").strip()
+
+
+def _as_number(answer: str) -> Fraction | None:
+    """An exact value for a plain decimal such as `1,234.5` or `-7`; None for anything else."""
+    if _NUMBER_WITH_COMMAS.fullmatch(answer):
+        answer = answer.replace(",", "")
+    if not _NUMBER.fullmatch(answer):
+        return None
+    return Fraction(answer)
+
+
+def _math_verify(gold: str, pred: str) -> bool | None:
+    """True/False from math-verify (SymPy); None when the gold answer can't be parsed."""
+    from math_verify import parse, verify
+
+    # math-verify times out through SIGALRM, which only the main thread may use.
+    main = threading.current_thread() is threading.main_thread()
+    if not main:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    timeout = 5 if main else None
+
+    def parse_answer(text: str) -> list:
+        # Bare LaTeX such as `\frac{\sqrt{2}}{2}` is only recognized between math delimiters.
+        return parse(text, parsing_timeout=timeout) or parse(f"${text}$", parsing_timeout=timeout)
+
+    gold_parsed = parse_answer(gold)
+    if not gold_parsed:
+        return None
+    pred_parsed = parse_answer(pred)
+    if not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+def answers_match(gold: Any, pred: str | None) -> bool | None:
+    """Mathematical equivalence of an extracted answer with the gold one ("0.5" = "1/2" = "\\frac{1}{2}",
+    "x = 7" = "7", "1,000" = "1000", "50%" = "0.5"). None when the gold answer is missing or can't be parsed."""
+    if gold is None or (isinstance(gold, float) and math.isnan(gold)):
+        return None
+    gold = _normalize(str(gold))
+    if not gold:
+        return None
+    if pred is None:
+        return False
+    pred = _normalize(pred)
+    if not pred:
+        return False
+    gold_num, pred_num = _as_number(gold), _as_number(pred)
+    if gold_num is not None and pred_num is not None:
+        return gold_num == pred_num  # the common case, exact and without SymPy
+    return _math_verify(gold, pred)
+
+
+def accuracy_reward(
+    completions: Sequence[Any], answer: Sequence[Any] | None = None, **columns: Any
+) -> list[float | None]:
+    """1.0 when the completion's answer (`<answer>` block, else last `\\boxed{}`) equals the gold `answer`
+    mathematically, 0.0 when it doesn't or there is none, None when the gold answer is missing or unparsable.
+    TRL's `solution` column is accepted in place of `answer`."""
+    if answer is None:
+        answer = columns.get("solution")
+    if answer is None:
+        return [None] * len(completions)
+    if len(answer) != len(completions):
+        raise ValueError(f"answer must have one entry per completion ({len(completions)}), got {len(answer)}")
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer):
+        ok = answers_match(gold, extract_answer(completion_text(completion)))
+        out.append(None if ok is None else float(ok))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Code
+
+
+def extract_code(text: str, answer_tags: tuple[str, str] = ANSWER_TAGS) -> str | None:
+    """The last ```python fenced block of a completion, else the content of its `<answer>` block, else None."""
+    blocks = re.findall(r"```(?:python|py|python3)[ \t]*\n(.*?)```", text, re.DOTALL | re.IGNORECASE)
+    if blocks:
+        return blocks[-1]
+    a_open, a_close = map(re.escape, answer_tags)
+    answers = re.findall(rf"{a_open}(.*?){a_close}", text, re.DOTALL)
+    return answers[-1].strip("\n") if answers else None
+
+
+def code_reward(
+    completions: Sequence[Any],
+    tests: Sequence[str | None] | None = None,
+    *,
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    max_workers: int | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """1.0 when the completion's code followed by `tests` (Python source, e.g. asserts) exits cleanly in the sandbox
+    (`grpo_kernels.sandbox`: time and memory limits, no network, a throw-away folder, a clean environment);
+    0.0 otherwise, None where a sample has no tests."""
+    from .sandbox import SandboxLimits, run_tests
+
+    if tests is None:
+        return [None] * len(completions)
+    if len(tests) != len(completions):
+        raise ValueError(f"tests must have one entry per completion ({len(completions)}), got {len(tests)}")
+    limits = SandboxLimits(timeout=timeout, cpu_seconds=max(1, math.ceil(timeout)), memory_mb=memory_mb)
+
+    def score(item: tuple[Any, str | None]) -> float | None:
+        completion, test_src = item
+        if not test_src:
+            return None
+        code = extract_code(completion_text(completion))
+        if code is None:
+            return 0.0
+        return 1.0 if run_tests(code, test_src, limits=limits).passed else 0.0
+
+    items = list(zip(completions, tests))
+    workers = max_workers or min(8, len(items), (os.cpu_count() or 1) * 2)
+    if workers <= 1:
+        return [score(it) for it in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each worker mostly waits on its subprocess
+        return list(pool.map(score, items))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Combination
+
+REWARD_FUNCS: dict[str, RewardFunc] = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "format_lenient": format_lenient_reward,
+    "code": code_reward,
+}
+
+
+def get_reward_funcs(names: Sequence[str] | str) -> list[RewardFunc]:
+    """Reward functions by name, from a list or a comma-separated string: a key of `REWARD_FUNCS`, or
+    `package.module:function` for one of your own."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"reward_funcs must name at least one of {sorted(REWARD_FUNCS)} or a module:function")
+    return [_reward_func(name) for name in names]
+
+
+def _reward_func(name: str) -> RewardFunc:
+    if ":" not in name:
+        if name not in REWARD_FUNCS:
+            raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or module:function")
+        return REWARD_FUNCS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        func = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward function {name!r} could not be imported: {err}") from err
+    if not callable(func):
+        raise TypeError(f"reward function {name!r} is not callable")
+    return func
+
+
+def reward_name(func: RewardFunc) -> str:
+    name = getattr(func, "__name__", type(func).__name__)
+    return name.removesuffix("_reward")
+
+
+def combine_rewards(
+    funcs: Sequence[RewardFunc],
+    completions: Sequence[Any],
+    weights: Sequence[float] | None = None,
+    **columns: Any,
+) -> tuple[list[float], list[list[float]]]:
+    """Score `completions` with every function and combine them: Σ_f w_f · r_f over the applicable ones.
+
+    Returns:
+        (total, per_func): total[i] is the weighted sum over the functions that apply to sample i (0.0 when none
+        does, as in TRL); per_func[f][i] is function f's reward, NaN where it returned None.
+    """
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward weights must have one entry per reward function ({len(funcs)}), got {len(weights)}")
+    per_func: list[list[float]] = []
+    for func in funcs:
+        values = func(completions, **columns)
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function {reward_name(func)} returned {len(values)} values for {len(completions)} completions"
+            )
+        per_func.append([math.nan if v is None else float(v) for v in values])
+    total = [sum(w * v[i] for w, v in zip(weights, per_func) if not math.isnan(v[i])) for i in range(len(completions))]
+    return total, per_func

@@ -1,0 +1,6 @@
+"""A reward that varies even for an untrained model, so the tiny runs take real gradient steps."""
+
+
+def digit_reward(completions, **columns):
+    """The fraction of characters that are digits."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]

@@ -1,0 +1,183 @@
+"""The config (every loss option exposed), data loading and prompts, checkpoints on disk, the plot, and the CLI."""
+
+import csv
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_kernels import LossConfig
+from grpo_kernels.cli import build_parser, main
+from grpo_kernels.trainer.checkpoint import latest_checkpoint, list_checkpoints, remove_partial_checkpoints
+from grpo_kernels.trainer.config import LOOP_SET_LOSS_OPTIONS, TrainConfig
+from grpo_kernels.trainer.data import R1_SYSTEM_PROMPT, load_rows, prompt_indices, render_prompt
+from grpo_kernels.trainer.demo import build_char_tokenizer
+from grpo_kernels.trainer.plotting import plot_metrics
+
+from .conftest import tiny_argv
+
+
+def test_every_loss_option_is_a_config_field_and_a_flag():
+    config_fields = {f.name for f in fields(TrainConfig)}
+    missing = set(LossConfig.option_names()) - set(LOOP_SET_LOSS_OPTIONS) - config_fields
+    assert not missing
+    assert config_fields <= set(vars(build_parser().parse_args(["train"])))
+
+
+def test_flags_parse_into_the_config():
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--model",
+            "m",
+            "--dataset",
+            "d",
+            "--loss-type",
+            "dapo",
+            "--epsilon-high",
+            "0.28",
+            "--delta",
+            "none",
+            "--no-progress",
+            "--top-k",
+            "5",
+        ]
+    )
+    assert (args.loss_type, args.epsilon_high, args.delta, args.progress, args.top_k) == ("dapo", 0.28, None, False, 5)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"num_generations": 0}, "num_generations must be >= 1"),
+        ({"loss_type": "ppo"}, "loss_type must be one of"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"scale_rewards": "std"}, "scale_rewards must be"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile must be in"),
+    ],
+)
+def test_config_rejects_bad_values(bad, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**bad)
+
+
+def test_load_rows_from_jsonl_csv_parquet_with_column_mapping(tmp_path):
+    records = [{"q": "1+1=", "gold": "2", "extra": "a"}, {"q": "2+2=", "gold": "4", "extra": "b"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["q", "gold", "extra"])
+        writer.writeheader()
+        writer.writerows(records)
+    import datasets
+
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "d.parquet"))
+    for name in ("d.jsonl", "d.csv", "d.parquet"):
+        rows = load_rows(str(tmp_path / name), prompt_column="q", answer_column="gold")
+        assert [(r["prompt"], str(r["answer"]), r["extra"]) for r in rows] == [("1+1=", "2", "a"), ("2+2=", "4", "b")]
+    with pytest.raises(ValueError, match="no prompt column 'question'"):
+        load_rows(str(tmp_path / "d.jsonl"), prompt_column="question")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_render_prompt_plain_r1_and_chat_template():
+    tokenizer = build_char_tokenizer()
+    assert render_prompt(tokenizer, "1+1=") == "1+1="
+    assert render_prompt(tokenizer, "1+1=", R1_SYSTEM_PROMPT) == f"{R1_SYSTEM_PROMPT} User: 1+1= Assistant:"
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    assert render_prompt(tokenizer, "1+1=", "be brief") == "[system]be brief[user]1+1=[assistant]"
+    assert render_prompt(tokenizer, "1+1=", "be brief", use_chat_template=False) == "be brief User: 1+1= Assistant:"
+
+
+def test_prompt_order_is_a_function_of_step_and_seed():
+    first_epoch = [i for step in range(5) for i in prompt_indices(step, 4, 20, seed=3)]
+    assert sorted(first_epoch) == list(range(20))  # every row once per epoch
+    assert prompt_indices(7, 4, 20, seed=3) == prompt_indices(7, 4, 20, seed=3)
+    assert prompt_indices(0, 4, 20, seed=3) != prompt_indices(0, 4, 20, seed=4)
+
+
+def test_partial_checkpoints_are_never_picked(tmp_path):
+    for name in ("checkpoint-2", "checkpoint-10", ".tmp-checkpoint-11-abc", "checkpoint-x"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-10"
+    remove_partial_checkpoints(tmp_path)
+    assert not (tmp_path / ".tmp-checkpoint-11-abc").exists()
+
+
+def test_plot_writes_a_png(tmp_path):
+    records = [
+        {
+            "step": s,
+            "reward": 0.1 * s,
+            "reward_std": 0.1,
+            "accuracy": 0.05 * s,
+            "loss": 0.01,
+            "kl": 0.001 * s,
+            "clip_ratio/region_mean": 0.0,
+            "entropy": 1.0,
+            "completions/mean_length": 20,
+        }
+        for s in range(1, 6)
+    ]
+    path = plot_metrics(records, tmp_path / "curves.png")
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch, dataset_file):
+    from grpo_kernels.trainer import data
+
+    monkeypatch.setattr(data, "_hub_offline", lambda: True)  # as on the CI machine; no test waits on the network
+    assert (
+        main(
+            ["train", "--model", str(tmp_path / "nope"), "--dataset", str(dataset_file), "--prompt-column", "question"]
+        )
+        == 2
+    )
+    assert "model folder" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "someone/not-a-model-xyz",
+                "--dataset",
+                str(dataset_file),
+                "--prompt-column",
+                "question",
+                "--output-dir",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "not a local folder" in err and "hub is unreachable" in err
+    assert main(["train", "--model", str(tmp_path), "--dataset", "someone/not-a-dataset-xyz"]) == 2
+    assert "neither a local file nor reachable" in capsys.readouterr().err
+    assert main(["train", "--model", "m", "--dataset", "d", "--loss-type", "ppo"]) == 2
+    assert "loss_type must be one of" in capsys.readouterr().err
+
+
+def test_cli_train_on_a_saved_model_folder(model_dir, dataset_file, tmp_path, capsys):
+    argv = tiny_argv(
+        model_dir,
+        dataset_file,
+        tmp_path,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        lora_r=2,
+        lora_target_modules="q_proj,v_proj",
+        plot=True,
+    )
+    code = main(argv)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "adapter:" in out and (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "training_curves.png").exists()
+    saved = json.loads((tmp_path / "checkpoint-1" / "train_config.json").read_text())
+    assert saved["lora_target_modules"] == "q_proj,v_proj"
+    assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=False)["step"] == 1
