@@ -4,11 +4,17 @@ Same constructor, options, loss, gradients and logged metrics as TRL 1.16; only 
 that builds its own `GRPOTrainer`, `patch_grpo_trainer` swaps the same method into an instance or a class.
 
     from grpo_kernels.integrations.trl import FusedGRPOTrainer as GRPOTrainer
+
+With `use_fused_linear=True` the loss is computed by `fused_linear_grpo_loss` from the last hidden states and the
+lm_head weight instead: the model's forward runs as usual, but its lm_head is handed zero positions, so no logits
+are ever formed (see `_score_from_hidden`).
 """
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +46,8 @@ _check_trl_version()
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from ..api import grpo_loss
+from ..api import GRPOOutput, grpo_loss
+from ..fused_linear import fused_linear_grpo_loss
 
 # The losses TRL normalizes by `num_items_in_batch` (active tokens of the whole generation batch), not per micro-batch.
 _TOKEN_COUNT_LOSSES = ("cispo", "dapo", "vespo")
@@ -92,12 +99,167 @@ def _keep_lm_head_in_fp32(model: torch.nn.Module) -> None:
     head._grpo_kernels_fp32 = True
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Fused-linear mode: the loss from the lm_head's input hidden states and its weight
+
+# Config fields by which a model transforms its lm_head output (TRL's `add_fused_lm_head` reads the same ones); the
+# fused-linear loss computes `hidden @ W.T + b` only, so a model that sets any of them is refused.
+_LOGIT_SOFTCAP_FIELDS = ("final_logit_softcapping",)
+_LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+# Autograd nodes between the lm_head's output and the model's `logits` that leave the values unchanged
+_PASSTHROUGH_NODES = frozenset(
+    {"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "SliceBackward0", "CloneBackward0"}
+)
+
+
+def _refuse(reason: str) -> ValueError:
+    return ValueError(f"use_fused_linear=True: {reason}. Use the default logits mode (use_fused_linear=False).")
+
+
+def _fused_linear_head(self: GRPOTrainer, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """(the output-embedding module the forward calls, the nn.Linear whose weight and bias score the hidden states).
+
+    Raises ValueError for what `fused_linear_grpo_loss` cannot reproduce. With PEFT, `get_output_embeddings` reaches
+    the base model through peft's wrappers; an lm_head trained as `modules_to_save` is read from its active copy.
+    """
+    if getattr(self, "is_fsdp_enabled", False):
+        raise _refuse("FSDP shards the lm_head weight outside the model's forward")
+    if getattr(self, "is_deepspeed_enabled", False):
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+            raise _refuse("DeepSpeed ZeRO-3 partitions the lm_head weight outside the model's forward")
+    unwrapped = self.accelerator.unwrap_model(model)
+    config = getattr(unwrapped, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_SOFTCAP_FIELDS:
+        if getattr(text_config, name, None) is not None:
+            raise _refuse(
+                f"the model applies final logit softcapping (config.{name}={getattr(text_config, name)}), which "
+                "the fused-linear loss does not compute"
+            )
+    for name in _LOGIT_SCALE_FIELDS:
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1.0:
+            raise _refuse(
+                f"the model scales its logits (config.{name}={value}), which the fused-linear loss does not compute"
+            )
+    head = unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
+    if head is None:
+        raise _refuse(f"{type(unwrapped).__name__} has no output embedding (lm_head) module")
+    linear = head
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:  # pragma: no cover - depends on the environment
+        BaseTunerLayer = ModulesToSaveWrapper = ()  # type: ignore[assignment,misc]
+    if BaseTunerLayer and isinstance(head, BaseTunerLayer):
+        raise _refuse(
+            "the lm_head carries a PEFT adapter (target_modules includes it), whose output the fused-linear loss "
+            "does not compute; remove lm_head from the adapter's target modules"
+        )
+    if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
+        if head.disable_adapters or not head.active_adapters:
+            linear = head.original_module
+        elif len(head.active_adapters) == 1 and head.active_adapters[0] in head.modules_to_save:
+            linear = head.modules_to_save[head.active_adapters[0]]
+        else:
+            raise _refuse(f"the lm_head is trained (modules_to_save) by several active adapters {head.active_adapters}")
+    if not isinstance(linear, torch.nn.Linear) or type(linear).forward is not torch.nn.Linear.forward:
+        raise _refuse(f"the lm_head is a {type(linear).__name__}, not a plain torch.nn.Linear")
+    weight = linear.weight
+    if not weight.is_floating_point() or weight.is_meta or type(weight).__name__ == "DTensor" or weight.dim() != 2:
+        raise _refuse(
+            f"the lm_head weight is not a plain floating-point matrix on a device ({type(weight).__name__}, "
+            f"{weight.dtype}, {weight.device}): quantized, offloaded and sharded heads are not supported"
+        )
+    return head, linear
+
+
+def _score_from_hidden(
+    self: GRPOTrainer, model: torch.nn.Module, model_inputs: dict[str, Any], length: int
+) -> tuple[Any, Callable[..., GRPOOutput]]:
+    """The model's forward with its lm_head fed zero positions; `fused_linear_grpo_loss` bound to what it would read.
+
+    The forward runs whole, through every wrapper (DDP, PEFT, the multimodal model's merge of image features), with
+    `logits_to_keep=T+1`; a pre-hook on the output embedding takes the hidden states it receives and hands it their
+    first 0 positions instead. The lm_head's own forward thus runs on a (B, 0, H) input: no logits are formed, while
+    the (B, 0, V) `logits` the model returns stay connected to the body and the head (so that a wrapper which looks
+    for unused parameters from the outputs finds them all), and the MoE aux loss comes out as in the logits mode.
+    The hidden states that score the completion are the strided view `[:, -T-1:-1]` of the captured ones.
+    """
+    head, linear = _fused_linear_head(self, model)
+    captured: list[torch.Tensor] = []
+    head_outputs: list[Any] = []
+
+    def take_hidden(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden = args[0] if args else kwargs.get("input")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            raise _refuse(f"the lm_head was called with an input other than [B, S, H] hidden states: {hidden!r:.80}")
+        captured.append(hidden)
+        empty = hidden[:, :0]
+        return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
+
+    pre_hook = head.register_forward_pre_hook(take_hidden, with_kwargs=True)
+    post_hook = head.register_forward_hook(lambda module, args, output: head_outputs.append(output))
+    try:
+        with self.accelerator.autocast():
+            outputs = model(**model_inputs, logits_to_keep=length + 1, use_cache=False)
+            device_type = captured[0].device.type if captured else self.accelerator.device.type
+            amp_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    finally:
+        pre_hook.remove()
+        post_hook.remove()
+    if len(captured) != 1:
+        raise _refuse(f"the model's forward called its lm_head {len(captured)} times, not once")
+    _check_logits_untransformed(outputs.logits, head_outputs[0])
+
+    weight, bias = linear.weight, linear.bias
+    hidden = captured[0][:, -(length + 1) : -1]  # [B, T, H], a strided view of the lm_head's input
+    # The lm_head's precision in the logits mode: fp32 with cast_lm_head_to_fp32 (TRL's fp32 head), else autocast's
+    # dtype for both operands when it is on, else the weight's
+    if self.args.cast_lm_head_to_fp32:
+        dtype = torch.float32
+    elif amp_dtype is not None and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        dtype = amp_dtype
+    else:
+        dtype = weight.dtype
+    hidden = hidden.to(weight.device, dtype)  # the same view when nothing changes, else one [B, T, H] copy
+    weight = weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    return outputs, functools.partial(fused_linear_grpo_loss, hidden, weight, bias=bias)
+
+
+def _check_logits_untransformed(logits: Any, head_output: Any) -> None:
+    """Refuse a model whose `logits` are its lm_head output transformed (a softcap or scale its config doesn't name).
+
+    Reads the autograd graph between the two (only dtype casts and views may lie in between); without a graph (under
+    no_grad) only identity can be checked, and the config checks of `_fused_linear_head` stand alone.
+    """
+    if logits is head_output or not isinstance(logits, torch.Tensor) or not isinstance(head_output, torch.Tensor):
+        return
+    node, target = logits.grad_fn, head_output.grad_fn
+    if node is None or target is None:
+        return
+    for _ in range(16):
+        if node is target:
+            return
+        if node is None or node.name() not in _PASSTHROUGH_NODES or not node.next_functions:
+            break
+        node = node.next_functions[0][0]
+    raise _refuse(
+        f"the model transforms its lm_head output before returning the logits (through {node.name() if node else None}"
+        "), which the fused-linear loss does not compute"
+    )
+
+
 def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     """`GRPOTrainer._compute_loss` of TRL 1.16, with the per-token math and its gradient done by `grpo_loss`.
 
     The model returns plain logits for the last T+1 positions (`logits_to_keep`); `grpo_loss` reads the strided
     slice that scores the T completion tokens, at `self.temperature`, without a copy. TRL's normalizers outside the
     per-token math (gradient accumulation, steps_per_generation, the MoE aux loss) are applied as TRL applies them.
+    With `self.use_fused_linear`, `fused_linear_grpo_loss` scores the same tokens from the lm_head's input hidden
+    states and its weight, with the same options, normalizers and metrics.
     """
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -107,17 +269,25 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     mode = "train" if self.model.training else "eval"
 
-    # ---- the forward: plain logits (TRL's fused head is off unless `fused_lm_head=True` is passed)
+    # ---- the forward: plain logits (TRL's fused head is off unless `fused_lm_head=True` is passed), or, in the
+    # fused-linear mode, the hidden states the lm_head would have scored
     if self.args.cast_lm_head_to_fp32:
         _keep_lm_head_in_fp32(self.accelerator.unwrap_model(model))
     model_inputs = _model_inputs(inputs, input_ids, attention_mask)
     if self.aux_loss_enabled:
         model_inputs["output_router_logits"] = True
-    with self.accelerator.autocast():
-        outputs = model(**model_inputs, logits_to_keep=length + 1, use_cache=False)
-    # logits[:, t] scores the token at t + 1: the last T+1 rows, less the last, score the completion. Indexing from
-    # the end also holds for a model that ignores `logits_to_keep` and returns every position.
-    logits = outputs.logits[:, -(length + 1) : -1]  # [B, T, V], a strided view
+    # `score(completion_ids, advantages, ...)`: grpo_loss on the logits, or fused_linear_grpo_loss on the hidden
+    # states; both take the same arguments and options, mapped once below
+    score: Callable[..., GRPOOutput]
+    if getattr(self, "use_fused_linear", False):
+        outputs, score = _score_from_hidden(self, model, model_inputs, length)
+    else:
+        with self.accelerator.autocast():
+            outputs = model(**model_inputs, logits_to_keep=length + 1, use_cache=False)
+        # logits[:, t] scores the token at t + 1: the last T+1 rows, less the last, score the completion. Indexing
+        # from the end also holds for a model that ignores `logits_to_keep` and returns every position.
+        logits = outputs.logits[:, -(length + 1) : -1]  # [B, T, V], a strided view
+        score = functools.partial(grpo_loss, logits)
 
     # ---- TRL's normalizers outside the per-token math. grpo_loss gives TRL's loss at accumulation 1 (and, for the
     # token-count losses, steps_per_generation 1); `scale` brings it to TRL's. TRL divides the entropy bonus by the
@@ -148,8 +318,7 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
         num_items = float(inputs["num_items_in_batch"])
     old_logp = inputs.get("old_per_token_logps")
 
-    out = grpo_loss(
-        logits,
+    out = score(
         completion_ids,
         advantages,
         mask,
@@ -278,15 +447,29 @@ class FusedGRPOTrainer(GRPOTrainer):
         >>> trainer = FusedGRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=reward, args=GRPOConfig(...),
         ...                            train_dataset=dataset)
         >>> trainer.train()
+
+    `use_fused_linear=True` (a keyword of this class, not of GRPOConfig) computes the loss from the last hidden
+    states and the lm_head weight with `fused_linear_grpo_loss`, never forming the (B, T, V) logits; same options,
+    normalizers and metrics. It needs a plain nn.Linear lm_head (tied or not, frozen or trained; PEFT adapters on
+    the body are fine) and refuses, with a ValueError, models that softcap or scale their logits, adapters on the
+    lm_head, and lm_head weights sharded or partitioned outside the forward (FSDP, DeepSpeed ZeRO-3).
     """
 
+    use_fused_linear: bool = False
     _compute_loss = fused_compute_loss
 
+    def __init__(self, *args: Any, use_fused_linear: bool = False, **kwargs: Any) -> None:
+        self.use_fused_linear = bool(use_fused_linear)
+        super().__init__(*args, **kwargs)
+        if self.use_fused_linear:
+            _fused_linear_head(self, self.model)  # refuse an unsupported model now rather than at the first step
 
-def patch_grpo_trainer(trainer_or_class: Any) -> Any:
+
+def patch_grpo_trainer(trainer_or_class: Any, use_fused_linear: bool = False) -> Any:
     """Make an existing `GRPOTrainer` instance (or a `GRPOTrainer` class and its subclasses) use the fused loss.
 
-    For code that constructs TRL's trainer itself. Returns its argument.
+    For code that constructs TRL's trainer itself. Returns its argument. `use_fused_linear` as in
+    `FusedGRPOTrainer` (an instance's model is checked at once, a class's at its first loss).
 
     >>> trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
     >>> patch_grpo_trainer(trainer).train()
@@ -295,8 +478,12 @@ def patch_grpo_trainer(trainer_or_class: Any) -> Any:
         if not issubclass(trainer_or_class, GRPOTrainer):
             raise TypeError(f"patch_grpo_trainer expects a GRPOTrainer subclass, got {trainer_or_class.__name__}")
         trainer_or_class._compute_loss = fused_compute_loss
+        trainer_or_class.use_fused_linear = bool(use_fused_linear)
     elif isinstance(trainer_or_class, GRPOTrainer):
+        if use_fused_linear:
+            _fused_linear_head(trainer_or_class, trainer_or_class.model)
         trainer_or_class._compute_loss = types.MethodType(fused_compute_loss, trainer_or_class)
+        trainer_or_class.use_fused_linear = bool(use_fused_linear)
     else:
         raise TypeError(
             f"patch_grpo_trainer expects a GRPOTrainer instance or class, got {type(trainer_or_class).__name__}"
