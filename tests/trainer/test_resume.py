@@ -32,9 +32,13 @@ def cli_train(model_dir, dataset_file, output_dir, **overrides):
         save_total_limit=2,
         **overrides,
     )
+    # Each run gets its own datasets cache: two runs building one cache entry at the same moment is a race that
+    # once made this test fail for a reason unrelated to resuming.
+    cache = Path(output_dir).parent / f"{Path(output_dir).name}-datasets-cache"
     return subprocess.Popen(
         [sys.executable, "-m", "grpo_kernels.cli", *argv],
         cwd=REPO,
+        env={**os.environ, "HF_DATASETS_CACHE": str(cache)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
