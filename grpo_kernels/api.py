@@ -292,7 +292,7 @@ def grpo_loss(
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         vocab_parallel_group: a torch.distributed group over which the vocabulary is sharded (Megatron-style
             tensor-parallel lm_head): `logits` is this rank's contiguous shard [B, T, V_rank], shards in rank order,
-            `completion_ids` are global ids. One all-gather of [B, T, 4] partials per call; the loss and ℓ, H are
+            `completion_ids` are global ids. One all-gather of [B, T, 5] partials per call; the loss and ℓ, H are
             those of the full vocabulary, and each rank gets its shard's gradient. Rows run as torch ops.
         data_parallel_group: the group the cross-rank defaults span (dapo-family token count, entropy quantile,
             metrics). Default: the default process group when torch.distributed is initialized and no

@@ -1,6 +1,6 @@
 """A vocabulary-parallel loss (Megatron-style tensor-parallel lm_head): each rank holds the logits of one
 contiguous vocabulary shard. Each rank reduces its shard to per-row partials (its max, Σe, Σe·z', its target
-logit); one all-gather of the packed [B, T, 4] partials lets every rank merge the exact full-vocabulary ℓ and H.
+logit); one all-gather of the packed [B, T, 5] partials lets every rank merge the exact full-vocabulary ℓ and H.
 The O(B·T) objective then runs identically on every rank, and each rank writes the gradient of its own shard with
 no further communication.
 """
@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .ops.torch_rows import _row_chunks, _shifted
+from .ops.torch_rows import _row_chunks, _shifted, row_grad
 
 
 def shard_offset(local_vocab: int, group: dist.ProcessGroup) -> tuple[int, int]:
@@ -25,38 +25,42 @@ def shard_offset(local_vocab: int, group: dist.ProcessGroup) -> tuple[int, int]:
 
 
 def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
-    """[B, T, 4] float32 per row of the shard: (raw max m, Σ e, Σ e·z', raw target logit or −inf), e = exp(z'),
-    z' = (x − m)/τ."""
+    """[B, T, 5] float32 per row of the shard: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e),
+    e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays exact for peaked rows."""
     batch, length, vocab = logits.shape
-    parts = torch.empty(batch, length, 4, dtype=torch.float32, device=logits.device)
+    parts = torch.empty(batch, length, 5, dtype=torch.float32, device=logits.device)
     for b, ts in _row_chunks(batch, length, vocab):
         x = logits[b, ts]
         row_max = x.amax(-1).float()
         # A shard row that is all −inf (padded vocabulary) contributes nothing; shift it by 0, not by −inf.
         z = _shifted(x, torch.where(row_max == -math.inf, 0.0, row_max), temperature)
         e = torch.exp(z)
-        local = ids[b, ts].long() - offset
+        local = ids[b, ts].long().unsqueeze(-1) - offset
         inside = (local >= 0) & (local < vocab)
-        x_y = x.float().gather(-1, local.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
+        y = local.clamp(0, vocab - 1)
+        total = e.sum(-1)
         parts[b, ts, 0] = row_max
-        parts[b, ts, 1] = e.sum(-1)
+        parts[b, ts, 1] = total
         parts[b, ts, 2] = torch.where(e > 0, e * z, 0.0).sum(-1)
-        parts[b, ts, 3] = torch.where(inside, x_y, -math.inf)
+        parts[b, ts, 3] = torch.where(inside, x.float().gather(-1, y), -math.inf).squeeze(-1)
+        parts[b, ts, 4] = torch.where(inside.squeeze(-1), e.scatter(-1, y, 0.0).sum(-1), total)
     return parts
 
 
 def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[P, B, T, 4] partials of every rank -> (logp, entropy, state [B, T, 2] = (global raw max, log Σe))."""
+    """[P, B, T, 5] partials of every rank -> (logp, entropy, state [B, T, 3]) in torch_rows' layout:
+    (global raw max, log Σe, 1 − p_y)."""
     m = gathered[..., 0].amax(0)  # [B, T]
-    scale = torch.exp((gathered[..., 0] - m) / temperature)  # [P, B, T]: each shard's sums under the global max
+    shift = (gathered[..., 0] - m) / temperature  # [P, B, T]: each shard's max below the global one
+    scale = torch.exp(shift)  # each shard's sums under the global max
     total = (scale * gathered[..., 1]).sum(0)
-    shift = (gathered[..., 0] - m) / temperature
+    others = (scale * gathered[..., 4]).sum(0)
     weighted = (scale * (gathered[..., 2] + torch.where(gathered[..., 1] > 0, shift * gathered[..., 1], 0.0))).sum(0)
     log_sum = torch.log(total)
-    x_y = gathered[..., 3].amax(0)
-    logp = (x_y - m) / temperature - log_sum
+    z_y = (gathered[..., 3].amax(0) - m) / temperature
+    logp = torch.where(z_y > -20.0, -torch.log1p(others / torch.exp(z_y)), z_y - log_sum)  # as torch_rows
     entropy = log_sum - weighted / total
-    return logp, entropy, torch.stack([m, log_sum], dim=-1)
+    return logp, entropy, torch.stack([m, log_sum, others / total], dim=-1)
 
 
 def shard_row_stats(
@@ -66,36 +70,6 @@ def shard_row_stats(
     gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, parts, group=group)
     return merge_partials(torch.stack(gathered), temperature)
-
-
-def shard_row_grad(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    state: torch.Tensor,
-    entropy: torch.Tensor,
-    g: torch.Tensor,
-    h: torch.Tensor | None,
-    temperature: float,
-    out: torch.Tensor,
-    offset: int,
-) -> None:
-    """This shard's part of (g·(onehot − p) − h·p·(z − Σpz)) / τ; no communication."""
-    batch, length, vocab = logits.shape
-    for b, ts in _row_chunks(batch, length, vocab):
-        row_max, log_sum = state[b, ts, 0], state[b, ts, 1]
-        z = _shifted(logits[b, ts], row_max, temperature)
-        p = torch.exp(z - log_sum.unsqueeze(-1))
-        grad = -g[b, ts].unsqueeze(-1) * p
-        local = ids[b, ts].long() - offset
-        inside = (local >= 0) & (local < vocab)
-        onehot = torch.zeros_like(p).scatter_(-1, local.clamp(0, vocab - 1).unsqueeze(-1), inside.float().unsqueeze(-1))
-        grad += g[b, ts].unsqueeze(-1) * onehot
-        if h is not None:
-            centered = z - (log_sum - entropy[b, ts]).unsqueeze(-1)
-            grad -= h[b, ts].unsqueeze(-1) * torch.where(p > 0, p * centered, 0.0)
-        if temperature != 1.0:
-            grad /= temperature
-        out[b, ts] = grad.to(out.dtype)
 
 
 class ShardBackend:
@@ -108,4 +82,4 @@ class ShardBackend:
         return shard_row_stats(logits, ids, temperature, self.group, self.offset)
 
     def row_grad(self, logits, ids, state, entropy, g, h, temperature, out):
-        shard_row_grad(logits, ids, state, entropy, g, h, temperature, out, self.offset)
+        row_grad(logits, ids, state, entropy, g, h, temperature, out, vocab_offset=self.offset)

@@ -32,6 +32,7 @@ def _inputs():
     logits = torch.randn(B, T, V, generator=gen) * 2
     logits[:, :, -3:] = -torch.inf  # padded vocabulary: the last shard has −inf columns
     ids = torch.randint(0, V - 3, (B, T), generator=gen)
+    logits[0, 0, ids[0, 0]] += 25.0  # a peaked row: p_y ≈ 1 - 1e-10, its 1 − p_y must survive the merge
     adv = torch.randn(B, generator=gen)
     mask = (torch.rand(B, T, generator=gen) > 0.2).float()
     old = torch.log_softmax(logits.double(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1).float() + 0.1

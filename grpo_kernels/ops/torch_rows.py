@@ -77,23 +77,30 @@ def row_grad(
     h: torch.Tensor | None,
     temperature: float,
     out: torch.Tensor,
+    vocab_offset: int = 0,
 ) -> None:
-    """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, written chunk by chunk; `out` may be `logits` itself."""
+    """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, written chunk by chunk; `out` may be `logits` itself.
+
+    `vocab_offset`: the logits are the vocabulary shard [offset, offset + V) of a larger vocabulary (state from
+    vocab_parallel.merge_partials); a target outside the shard contributes no one-hot here."""
     batch, length, vocab = logits.shape
     for b, ts in _row_chunks(batch, length, vocab):
-        y = ids[b, ts].long().unsqueeze(-1)
+        local = ids[b, ts].long().unsqueeze(-1) - vocab_offset
+        inside = (local >= 0) & (local < vocab)  # [rows, 1]
+        y = local.clamp(0, vocab - 1)
         row_max, log_sum, others = state[b, ts, 0], state[b, ts, 1], state[b, ts, 2]
         g_b = g[b, ts].unsqueeze(-1)
         z = _shifted(logits[b, ts], row_max, temperature)
-        target = (g_b.squeeze(-1) * others).unsqueeze(-1)  # g·(1 − p_y), exact for a peaked row
+        target = g_b * others.unsqueeze(-1)  # g·(1 − p_y), exact for a peaked row
         if h is None:
             grad = z.sub_(log_sum.unsqueeze(-1)).exp_().mul_(-g_b)  # −g·p, in place
-            grad.scatter_(-1, y, target)
+            grad.scatter_(-1, y, torch.where(inside, target, grad.gather(-1, y)))
         else:
             p = torch.exp(z - log_sum.unsqueeze(-1))
             centered = z.sub_((log_sum - entropy[b, ts]).unsqueeze(-1))  # z' − Σ p·z'
             grad = torch.where(p > 0, p * centered, 0.0).mul_(-h[b, ts].unsqueeze(-1))  # −h·p·(z' − Σpz')
-            grad.sub_(g_b * p.scatter_(-1, y, 0.0)).scatter_add_(-1, y, target)
+            p.scatter_(-1, y, torch.where(inside, 0.0, p.gather(-1, y)))  # the target's −g·p_y is in `target`
+            grad.sub_(g_b * p).scatter_add_(-1, y, torch.where(inside, target, 0.0))
         if temperature != 1.0:
             grad /= temperature
         out[b, ts] = grad
