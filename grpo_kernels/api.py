@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .config import BACKENDS, LossConfig
+from .config import BACKENDS, OPTION_DEFAULTS, LossConfig
 from .distributed import default_data_group
 from .vocab_parallel import ShardBackend, shard_offset
 from .compile_op import flat_numbers, row_stats_op, traced_config, validate_config
@@ -70,7 +70,8 @@ def _check_logits(logits: Any) -> torch.Tensor:
     return logits
 
 
-def _check_ids(ids: Any, batch: int, length: int, vocab: int, device: torch.device) -> torch.Tensor:
+def _check_ids(ids: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Shape and dtype; the value range is `check_ids_range`, run where the vocabulary size is known."""
     ids = _check_tensor("completion_ids", ids, ((batch, length),), device)
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"completion_ids must be int32/int64, got {ids.dtype}")
@@ -252,8 +253,8 @@ def selective_log_softmax(
         (logp, entropy), each [B, T] float32, differentiable w.r.t. `logits` through both.
     """
     logits = _check_logits(logits)
-    batch, length, vocab = logits.shape
-    ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
+    batch, length, _ = logits.shape
+    ids = _check_ids(completion_ids, batch, length, logits.device)
     temperature = LossConfig(temperature=temperature).temperature
     return _SelectiveLogSoftmax.apply(logits, ids, temperature, _backend(backend, logits.device))
 
@@ -314,15 +315,15 @@ def grpo_loss(
     if torch.compiler.is_compiling():
         tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
         return _compiled_grpo_loss(logits, completion_ids, tensors, inplace_backward, backend, options)
-    unknown = set(options) - set(LossConfig.option_names())
+    unknown = set(options) - OPTION_DEFAULTS.keys()
     if unknown:
         raise TypeError(f"grpo_loss got unknown option(s) {sorted(unknown)}")
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     cfg = LossConfig(**options)
     logits = _check_logits(logits)
-    batch, length, vocab = logits.shape
-    ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
+    batch, length, _ = logits.shape
+    ids = _check_ids(completion_ids, batch, length, logits.device)
     if vocab_parallel_group is None:
         data_group = default_data_group() if data_parallel_group is None else data_parallel_group
         rows = _backend(backend, logits.device)
@@ -331,7 +332,6 @@ def grpo_loss(
             raise ValueError("vocab_parallel_group runs its rows as torch ops; use backend='auto' or 'torch'")
         _backend(backend, logits.device)  # still validate the name
         offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group)
-        ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
         rows, data_group = ShardBackend(vocab_parallel_group, offset, vocab), data_parallel_group
     inp = _token_inputs(
         logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
@@ -358,8 +358,8 @@ def _compiled_grpo_loss(
     cfg = traced_config(options)
     validate_config(logits, cfg.loss_type, cfg.importance_sampling_level, flat_numbers(cfg))
     logits = _check_logits(logits)
-    batch, length, vocab = logits.shape
-    ids = _check_ids(completion_ids, batch, length, vocab, logits.device)
+    batch, length, _ = logits.shape
+    ids = _check_ids(completion_ids, batch, length, logits.device)
     inp = _token_inputs(logits, *tensors, beta=cfg.beta, data_group=default_data_group())
     logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
     loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)

@@ -151,7 +151,7 @@ def fused_linear_grpo_loss(
     cfg = LossConfig(**options)
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
-    ids = _check_ids(completion_ids, batch, length, weight.shape[0], hidden.device)
+    ids = _check_ids(completion_ids, batch, length, hidden.device)
     check_ids_range(ids, weight.shape[0])
     inp: TokenInputs = _token_inputs(
         hidden, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 from grpo_kernels import GRPOLoss, grpo_loss, selective_log_softmax
 from grpo_kernels.ops import torch_rows
-from reference import reference_grpo_loss, reference_selective_log_softmax
+from reference import reference_selective_log_softmax
 
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
 
