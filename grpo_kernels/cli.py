@@ -6,6 +6,7 @@ Every field of `TrainConfig` is a flag of `train` (`--max-completion-length 512`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields, replace
 from typing import Any
@@ -76,6 +77,8 @@ def _train(args: argparse.Namespace) -> int:
     if not cfg.model or not cfg.dataset:
         raise ValueError("train needs --model (a folder or hub id) and --dataset (a file or hub dataset name)")
     result = train(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports for all
+        return 0
     last = result.records[-1] if result.records else {}
     print(f"trained {len(result.records)} steps; last reward {last.get('reward', float('nan')):.3f}")
     print(f"adapter: {result.adapter_dir}")

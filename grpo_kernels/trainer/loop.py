@@ -7,6 +7,8 @@ KL penalty to the reference policy, which is the same base model with the adapte
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import inspect
 import json
 import math
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import group_advantages, grpo_loss, selective_log_softmax
 from ..rewards import RewardFunc, combine_rewards, get_reward_funcs, reward_name
@@ -74,6 +77,115 @@ class TrainResult:
     output_dir: Path
     adapter_dir: Path
     plot_path: Path | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Processes (torchrun)
+
+
+@dataclass
+class Dist:
+    """This process's place in a data-parallel run: rank 0 of 1 when single-process."""
+
+    rank: int = 0
+    world: int = 1
+    owns_group: bool = False  # this run called init_process_group, so it also tears it down
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA); else a single process.
+    A group someone else initialized (the caller of `train`) is used as it is and left alone."""
+    if dist.is_available() and dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size())
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def _comm_device(x: torch.Tensor) -> torch.device:
+    """Where a collective can take x: NCCL takes CUDA tensors only (the rewards and counts live on the CPU)."""
+    if dist.get_backend() == "nccl" and x.device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return x.device
+
+
+def gather_cat(x: torch.Tensor, ctx: Dist) -> torch.Tensor:
+    """The ranks' equally shaped tensors concatenated along dim 0 in rank order (x itself when single-process)."""
+    if not ctx.active:
+        return x
+    y = x.contiguous().to(_comm_device(x))
+    parts = [torch.empty_like(y) for _ in range(ctx.world)]
+    dist.all_gather(parts, y)
+    return torch.cat(parts).to(x.device)
+
+
+def all_reduce_(x: torch.Tensor, ctx: Dist, op: Any = None) -> torch.Tensor:
+    """x reduced over the ranks (sum unless `op`), in place where the backend allows; x when single-process."""
+    if not ctx.active:
+        return x
+    y = x.to(_comm_device(x))
+    dist.all_reduce(y, op=dist.ReduceOp.SUM if op is None else op)
+    return y.to(x.device)
+
+
+def average_gradients(params: list[torch.nn.Parameter], ctx: Dist) -> None:
+    """DDP's gradient averaging by hand: one flat all-reduce of the trainable (LoRA) gradients, divided by the
+    world size. Each rank's loss is normalized so that this average is the gradient of the whole batch's loss."""
+    if not ctx.active:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= ctx.world
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def sample_seed(seed: int, step: int, prompt: int, generation: int) -> int:
+    """The seed of completion `generation` of prompt `prompt` (its place in the step's global batch) at `step`:
+    a pure function, so a completion is the same whichever rank, batch or resumed run samples it."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{prompt}/{generation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class SeededSampler:
+    """A logits processor that samples each row with its own seeded torch.Generator and returns scores whose argmax
+    is the sampled token (`generate` runs greedy around it). Temperature, top-k and top-p are transformers' own
+    warpers, so the distribution is exactly the one `do_sample=True` samples from; only the randomness differs:
+    row i draws from `seeds[i]` alone, never from the global RNG, so batching and sharding leave it unchanged."""
+
+    def __init__(self, seeds: list[int], cfg: TrainConfig, device: torch.device) -> None:
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.warpers = [TemperatureLogitsWarper(cfg.temperature)]
+        if cfg.top_k:
+            self.warpers.append(TopKLogitsWarper(cfg.top_k))
+        if cfg.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(cfg.top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != len(self.generators):
+            raise ValueError(f"SeededSampler has {len(self.generators)} seeds for {scores.shape[0]} rows")
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1)
+        tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+        out = torch.full_like(scores, -math.inf)
+        out.scatter_(1, tokens[:, None], 0.0)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,9 +326,12 @@ def generate(
     cfg: TrainConfig,
     *,
     greedy: bool = False,
+    seeds: list[int] | None = None,
 ) -> Samples:
-    """One batched `generate` for every prompt × G (× 1 with `greedy`, for evaluation)."""
-    from transformers import GenerationConfig
+    """One batched `generate` for every prompt × G (× 1 with `greedy`, for evaluation). With `seeds` (one per
+    completion, prompt-major), completion i is sampled from its own generator seeded with seeds[i] (`SeededSampler`)
+    instead of the global RNG."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
     g = 1 if greedy else cfg.num_generations
@@ -230,13 +345,19 @@ def generate(
     )
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     eos = eos_token_ids(model, tokenizer)
+    seeded = seeds is not None and not greedy
+    if seeded and len(seeds) != len(prompts) * g:
+        raise ValueError(f"generate needs {len(prompts) * g} seeds (prompts x G), got {len(seeds)}")
+    sample = not greedy and not seeded  # seeded sampling runs greedy over SeededSampler's scores
+    if seeded:  # greedy search returns one sequence per input: the prompts are repeated here instead
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0)
     gen_cfg = GenerationConfig(
-        do_sample=not greedy,
-        temperature=None if greedy else cfg.temperature,
-        top_p=None if greedy else cfg.top_p,
-        top_k=None if greedy else cfg.top_k,
+        do_sample=sample,
+        temperature=cfg.temperature if sample else None,
+        top_p=cfg.top_p if sample else None,
+        top_k=cfg.top_k if sample else None,
         max_new_tokens=cfg.max_completion_length,
-        num_return_sequences=g,
+        num_return_sequences=1 if seeded else g,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
         bos_token_id=tokenizer.bos_token_id,
@@ -249,7 +370,10 @@ def generate(
     )
     was_training = model.training
     model.eval()  # no dropout while sampling
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
+    processors = LogitsProcessorList([SeededSampler(seeds, cfg, device)] if seeded else [])
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg, logits_processor=processors
+    )
     model.train(was_training)
     prompt_len = prompt_ids.shape[1]
     completion_ids = out[:, prompt_len:]
@@ -257,8 +381,8 @@ def generate(
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = (torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]).float()
     return Samples(
-        prompt_ids.repeat_interleave(g, 0),
-        prompt_mask.repeat_interleave(g, 0),
+        prompt_ids if seeded else prompt_ids.repeat_interleave(g, 0),
+        prompt_mask if seeded else prompt_mask.repeat_interleave(g, 0),
         completion_ids,
         completion_mask,
         ~is_eos.any(1),
@@ -279,12 +403,19 @@ def rollout(
     cfg: TrainConfig,
     reward_funcs: list[RewardFunc],
     weights: list[float],
+    *,
+    seeds: list[int] | None = None,
+    ctx: Dist | None = None,
 ) -> Rollout:
+    """Sample, score and prepare one rollout batch. Under torchrun `rows` is this rank's shard of the step's prompts
+    (whole groups, equal shards in rank order): the rewards are gathered so that the advantages (any `scale_rewards`)
+    and the logged metrics are those of the whole batch; the returned tensors are this rank's part."""
+    ctx = ctx or Dist()
     system = resolve_system_prompt(cfg.system_prompt)
     prompts = [render_prompt(tokenizer, row["prompt"], system, use_chat_template=cfg.chat_template) for row in rows]
     g = cfg.num_generations
     t0 = time.perf_counter()
-    samples = generate(model, tokenizer, prompts, cfg)
+    samples = generate(model, tokenizer, prompts, cfg, seeds=seeds)
     gen_time = time.perf_counter() - t0
     completion_ids, completion_mask, truncated = samples.completion_ids, samples.completion_mask, samples.truncated
     num_tokens = completion_mask.sum(1)  # [N]
@@ -294,8 +425,10 @@ def rollout(
     total, per_func = combine_rewards(
         reward_funcs, completions, weights, prompts=[p for p in prompts for _ in range(g)], **columns
     )
-    rewards = torch.tensor(total, dtype=torch.float32)  # [N]
-    advantages = group_advantages(rewards, g, scale=cfg.scale_rewards).to(completion_ids.device)
+    local_n = len(total)
+    rewards = gather_cat(torch.tensor(total, dtype=torch.float32), ctx)  # [N] of the whole batch
+    advantages = group_advantages(rewards, g, scale=cfg.scale_rewards)
+    advantages = advantages[ctx.rank * local_n : (ctx.rank + 1) * local_n].to(completion_ids.device)
 
     loss_mask = completion_mask.clone()
     if cfg.mask_truncated_completions:
@@ -310,6 +443,9 @@ def rollout(
             ref_logp = per_token_logp(model, input_ids, attention_mask, completion_ids, cfg)
 
     grouped = rewards.view(-1, g)
+    num_tokens = gather_cat(num_tokens.float().cpu(), ctx)
+    truncated = gather_cat(truncated.cpu(), ctx)
+    gen_time = all_reduce_(torch.tensor(gen_time, dtype=torch.float64), ctx, dist.ReduceOp.MAX).item()
     metrics = {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
@@ -322,7 +458,7 @@ def rollout(
         "time/generate_s": gen_time,
     }
     for func, values in zip(reward_funcs, per_func):
-        v = torch.tensor(values)
+        v = gather_cat(torch.tensor(values, dtype=torch.float32), ctx)
         applicable = v[~v.isnan()]
         name = reward_name(func)
         metrics[f"rewards/{name}/mean"] = applicable.mean().item() if applicable.numel() else math.nan
@@ -337,14 +473,25 @@ def rollout(
 
 
 def policy_update(
-    model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, roll: Rollout, cfg: TrainConfig
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    roll: Rollout,
+    cfg: TrainConfig,
+    ctx: Dist | None = None,
 ) -> dict[str, float]:
-    """`num_iterations` optimizer steps on one rollout batch, each accumulated over its micro-batches."""
+    """`num_iterations` optimizer steps on one rollout batch, each accumulated over its micro-batches.
+
+    Under torchrun each rank holds an equal share of the batch's sequences and the gradients are averaged over the
+    ranks (`average_gradients`); the losses are normalized so that the average is the whole batch's gradient:
+    grpo/sapo/dr_grpo/luspo average over (equally many) sequences per rank, and the token-sum losses divide by
+    the token count of all ranks over the world size (`num_items_in_batch` below, `dapo_normalizer`)."""
+    ctx = ctx or Dist()
     n, length = roll.completion_ids.shape
     chunks = micro_batches(n, cfg)
     token_sum = cfg.loss_type in TOKEN_SUM_LOSSES
     options = cfg.loss_options()  # temperature and max_completion_length included: sampling and loss share them
-    num_items = roll.completion_mask.sum().item()
+    num_items = all_reduce_(roll.completion_mask.sum().double().cpu(), ctx).item()  # tokens of all ranks
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = defaultdict(float)
     weights: dict[str, float] = defaultdict(float)
@@ -368,14 +515,17 @@ def policy_update(
             loss = out.loss if token_sum else out.loss / len(chunks)
             loss.backward()
             step_loss += loss.item()
-            w = roll.completion_mask[sl].sum().item()
+            w = roll.completion_mask[sl].sum().item()  # metrics are already means over all ranks
             for key, value in out.metrics.items():
                 sums[key] += float(value) * w
                 weights[key] += w
+        average_gradients(params, ctx)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if ctx.active:  # the ranks' losses average to the whole batch's, as their gradients do
+            step_loss = all_reduce_(torch.tensor(step_loss, dtype=torch.float64), ctx).item() / ctx.world
         losses.append(step_loss)
         grad_norms.append(norm.item())
     metrics = {k: sums[k] / max(weights[k], 1.0) for k in sums}
@@ -419,14 +569,23 @@ def train(
     reward_funcs: list[RewardFunc] | None = None,
 ) -> TrainResult:
     """Train a LoRA adapter with GRPO. `model`/`tokenizer`/`rows`/`reward_funcs` override what `cfg` names
-    (a model folder or hub id, a dataset, reward function names); the model gets a fresh LoRA adapter."""
+    (a model folder or hub id, a dataset, reward function names); the model gets a fresh LoRA adapter.
+
+    Under `torchrun --nproc_per_node N` (WORLD_SIZE > 1) the run is data-parallel: each rank samples and trains on
+    prompts_per_step / N prompts of every step (each with its whole group of G completions), the LoRA gradients are
+    averaged over the ranks, and only rank 0 writes metrics, checkpoints, the adapter and the plot. Completions are
+    sampled from per-completion seeds, so N processes train the same adapter as one (up to float reduction order)."""
     threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    device, _ = resolve_device(cfg)
+    ctx = init_distributed(device)
     try:
-        return _train(cfg, model, tokenizer, rows, reward_funcs)
+        return _train(cfg, model, tokenizer, rows, reward_funcs, ctx)
     finally:
         torch.set_num_threads(threads)  # a library call leaves the process's thread count as it found it
+        if ctx.owns_group:
+            dist.destroy_process_group()
 
 
 def _train(
@@ -435,6 +594,7 @@ def _train(
     tokenizer: Any,
     rows: list[dict[str, Any]] | None,
     reward_funcs: list[RewardFunc] | None,
+    ctx: Dist,
 ) -> TrainResult:
     from rich.progress import (
         BarColumn,
@@ -445,9 +605,24 @@ def _train(
         TimeRemainingColumn,
     )
 
-    torch.manual_seed(cfg.seed)
+    if cfg.prompts_per_step % ctx.world:
+        raise ValueError(
+            f"prompts_per_step={cfg.prompts_per_step} must be divisible by the number of processes ({ctx.world}): "
+            "each rank trains on an equal share of every step's prompts"
+        )
+    local_prompts = cfg.prompts_per_step // ctx.world
+    torch.manual_seed(cfg.seed)  # the same on every rank: the same LoRA initialization everywhere
     device, dtype = resolve_device(cfg)
-    rows = rows_from_config(cfg) if rows is None else rows  # data and rewards first: they fail fast and cheaply
+    if ctx.active and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ctx.rank % torch.cuda.device_count())))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if rows is None:  # data and rewards first: they fail fast and cheaply
+        if ctx.active and not ctx.main:
+            dist.barrier()  # rank 0 builds the datasets cache entry first; building it together races
+        rows = rows_from_config(cfg)
+        if ctx.active and ctx.main:
+            dist.barrier()
     reward_funcs = get_reward_funcs(cfg.reward_funcs) if reward_funcs is None else reward_funcs
     weights = cfg.weights(len(reward_funcs))
     if model is None:
@@ -458,18 +633,25 @@ def _train(
 
     model = add_lora(model.to(device), cfg)
     model.train()  # from_pretrained returns eval mode; old/ref log-probs and updates all see the same mode
+    if ctx.active:  # the seeds already agree; this makes sure, whatever the model's own init did
+        for param in (p for p in model.parameters() if p.requires_grad):
+            dist.broadcast(param.data, src=0)
     optimizer, scheduler = make_optimizer(model, cfg)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
-    remove_partial_checkpoints(out_dir)
+    if ctx.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_checkpoints(out_dir)
     start = 0
-    if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
+    if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:  # every rank loads the same checkpoint
         start = load_checkpoint(ckpt, model, optimizer, scheduler)
     records = _read_records(
         metrics_path, upto=start
     )  # a resumed run drops what the killed one logged past its checkpoint
-    _write_records(metrics_path, records)
+    if ctx.active:
+        dist.barrier()  # every rank has read the checkpoint and the records before rank 0 rewrites them
+    if ctx.main:
+        _write_records(metrics_path, records)
 
     columns = [
         TextColumn("[bold]GRPO"),
@@ -479,15 +661,24 @@ def _train(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     ]
-    with Progress(*columns, disable=not cfg.progress, transient=False) as progress, open(metrics_path, "a") as log:
+    log = open(metrics_path, "a") if ctx.main else contextlib.nullcontext()  # noqa: SIM115
+    with Progress(*columns, disable=not (cfg.progress and ctx.main), transient=False) as progress, log:
         task = progress.add_task("", total=cfg.max_steps, completed=start)
         for step in range(start, cfg.max_steps):
             t0 = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            batch = [rows[i] for i in prompt_indices(step, cfg.prompts_per_step, len(rows), cfg.seed)]
-            roll = rollout(model, tokenizer, batch, cfg, reward_funcs, weights)
-            update = policy_update(model, optimizer, scheduler, roll, cfg)
+            # this rank's contiguous share of the step's prompts, each with its seeds for its G completions
+            first = ctx.rank * local_prompts
+            indices = prompt_indices(step, cfg.prompts_per_step, len(rows), cfg.seed)[first : first + local_prompts]
+            batch = [rows[i] for i in indices]
+            seeds = [
+                sample_seed(cfg.seed, step, first + i, j)
+                for i in range(local_prompts)
+                for j in range(cfg.num_generations)
+            ]
+            roll = rollout(model, tokenizer, batch, cfg, reward_funcs, weights, seeds=seeds, ctx=ctx)
+            update = policy_update(model, optimizer, scheduler, roll, cfg, ctx)
             record = {
                 "step": step + 1,
                 **roll.metrics,
@@ -496,6 +687,8 @@ def _train(
                 "peak_memory_mb": peak_memory_mb(device),
             }
             records.append(record)
+            if not ctx.main:
+                continue
             log.write(json.dumps(record) + "\n")
             log.flush()
             desc = f"reward {record['reward']:.3f}"
@@ -510,10 +703,13 @@ def _train(
                 )
 
     adapter_dir = out_dir / "adapter"
-    model.save_pretrained(adapter_dir, safe_serialization=True)
     plot_path = None
-    if cfg.plot and records:
-        plot_path = Path(plot_metrics(records, out_dir / "training_curves.png"))
+    if ctx.main:
+        model.save_pretrained(adapter_dir, safe_serialization=True)
+        if cfg.plot and records:
+            plot_path = Path(plot_metrics(records, out_dir / "training_curves.png"))
+    if ctx.active:
+        dist.barrier()  # on every rank, train returns once the adapter is written
     return TrainResult(model, tokenizer, records, out_dir, adapter_dir, plot_path)
 
 
