@@ -331,7 +331,7 @@ def grpo_loss(
         if backend == "triton":
             raise ValueError("vocab_parallel_group runs its rows as torch ops; use backend='auto' or 'torch'")
         _backend(backend, logits.device)  # still validate the name
-        offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group)
+        offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group, logits.device)
         rows, data_group = ShardBackend(vocab_parallel_group, offset, vocab), data_parallel_group
     inp = _token_inputs(
         logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,

@@ -44,3 +44,26 @@ def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     chunks = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(chunks, padded, group=group)
     return torch.cat([c[: int(s.item())] for c, s in zip(chunks, sizes)])
+
+
+def gather_sharded(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor (an FSDP2 / fully_shard parameter, a tensor-parallel shard) as the full local tensor; other tensors
+    (and None) as they are. Differentiable: the gradient flows back as Partial("avg"), i.e. reduce-scattered and
+    averaged over the mesh, FSDP's data-parallel convention (each rank's gradient is its share of the batch's mean;
+    ranks that hold the same batch, as in tensor parallelism, average to that same gradient)."""
+    if x is None or not dist.is_available():
+        return x
+    try:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+    except ImportError:  # torch < 2.5: no public DTensor, so x cannot be one we know how to gather
+        return x
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    full = x.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return full.to_local(grad_placements=[Partial("avg")] * mesh.ndim)
+
+
+def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where a small bookkeeping collective over `group` runs: NCCL takes CUDA tensors only, gloo takes CPU ones."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")

@@ -14,13 +14,26 @@ import torch
 
 from .api import LOGITS_DTYPES, GRPOOutput, _backend, _check_ids, _token_inputs, check_ids_range
 from .config import LossConfig
-from .distributed import default_data_group
+from .distributed import default_data_group, gather_sharded
 from .loss_math import TokenInputs, grpo_objective
+from .vocab_parallel import LinearShard, shard_offset
+
+
+def _check_zero3(name: str, x: Any) -> None:
+    if getattr(x, "ds_id", None) is not None and x.numel() == 0:
+        raise ValueError(
+            f"{name} is a DeepSpeed ZeRO-3 partitioned parameter (ds_id={x.ds_id}), which fused_linear_grpo_loss does "
+            "not gather; use FSDP2 (fully_shard: DTensor weights are gathered) or grpo_loss on the model's logits"
+        )
 
 
 def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if type(hidden).__name__ == "DTensor":
+        raise TypeError("hidden must be a plain (local) tensor, got a DTensor; pass hidden.to_local() or full_tensor()")
+    _check_zero3("weight", weight)
+    _check_zero3("bias", bias)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be 3-D (B, T, H), got {hidden.dim()}-D with shape {tuple(hidden.shape)}")
     if hidden.dtype not in LOGITS_DTYPES:
@@ -113,6 +126,8 @@ def fused_linear_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     sampling_logp: torch.Tensor | None = None,
     backend: str = "auto",
+    vocab_parallel_group: Any = None,
+    data_parallel_group: Any = None,
     **options: Any,
 ) -> GRPOOutput:
     """The GRPO loss family of `grpo_loss` on logits = hidden @ weight.T + bias, without a (B·T, V) tensor.
@@ -135,6 +150,17 @@ def fused_linear_grpo_loss(
             exactly as in `grpo_loss` (all eight loss types and every option).
         bias: [V] or None, the lm_head bias.
         backend: "auto" (Triton folds on CUDA, torch tiles elsewhere), "triton" or "torch".
+        vocab_parallel_group: a torch.distributed group over which the lm_head is sharded by vocabulary rows
+            (Megatron-style): `weight` (and `bias`) are this rank's contiguous rows [V_rank, H], shards in rank order;
+            hidden, completion_ids (global ids) and the other inputs are the same on every rank of the group. One
+            all-gather of [B·T, 4] statistics and one all-reduce of the fp32 ∂hidden per call, both in the forward;
+            each rank gets its rows' ∂weight, and ∂hidden is the full one.
+        data_parallel_group: as in `grpo_loss` (default: the default process group when torch.distributed is
+            initialized and no vocab_parallel_group is given).
+
+    Sharded weights: a DTensor weight or bias (an FSDP2 `fully_shard` parameter, read after the model's forward
+    has resharded it) is all-gathered for the call and its gradient reduce-scattered back, averaged over the mesh as
+    FSDP averages data-parallel gradients. A DeepSpeed ZeRO-3 partitioned weight is refused with an error.
     Returns:
         GRPOOutput(loss, logp, entropy, metrics); `loss` is differentiable w.r.t. hidden, weight and bias.
 
@@ -149,15 +175,22 @@ def fused_linear_grpo_loss(
     if unknown:
         raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
     cfg = LossConfig(**options)
+    weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
     ids = _check_ids(completion_ids, batch, length, hidden.device)
-    check_ids_range(ids, weight.shape[0])
+    rows: Any = _linear_backend(backend, hidden.device)
+    if vocab_parallel_group is None:
+        vocab = weight.shape[0]
+        data_group = default_data_group() if data_parallel_group is None else data_parallel_group
+    else:
+        offset, vocab = shard_offset(weight.shape[0], vocab_parallel_group, hidden.device)
+        rows, data_group = LinearShard(rows, vocab_parallel_group, offset), data_parallel_group
+    check_ids_range(ids, vocab)
     inp: TokenInputs = _token_inputs(
         hidden, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
-        beta=cfg.beta, data_group=default_data_group(),
+        beta=cfg.beta, data_group=data_group,
     )
-    rows = _linear_backend(backend, hidden.device)
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, ids, metrics)
     return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)

@@ -3,22 +3,31 @@ contiguous vocabulary shard. Each rank reduces its shard to per-row partials (it
 logit); one all-gather of the packed [B, T, 5] partials lets every rank merge the exact full-vocabulary ℓ and H.
 The O(B·T) objective then runs identically on every rank, and each rank writes the gradient of its own shard with
 no further communication.
+
+The fused-linear form (`fused_linear_grpo_loss(..., vocab_parallel_group=g)`) shards the lm_head weight rows the
+same way: each rank folds its own vocabulary tiles into online statistics, one all-gather of [B·T, 4] merges them,
+and pass 2 writes the rank's own ∂weight rows. hidden is replicated over the group, so its gradient is the sum of
+every shard's part: one all-reduce of the fp32 ∂hidden, inside the forward like the rest of pass 2.
 """
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
+from .distributed import comm_device
+from .ops.linear_torch import RowStats
 from .ops.torch_rows import _row_chunks, _shifted, row_grad
 
 
-def shard_offset(local_vocab: int, group: dist.ProcessGroup) -> tuple[int, int]:
+def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
     """(first vocabulary id of this rank's shard, full vocabulary size), shards in rank order."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([local_vocab], dtype=torch.int64), group=group)
+    where = comm_device(group, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=where) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([local_vocab], dtype=torch.int64, device=where), group=group)
     sizes = [int(s) for s in sizes]
     rank = dist.get_rank(group)
     return sum(sizes[:rank]), sum(sizes)
@@ -50,17 +59,26 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
 def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[P, B, T, 5] partials of every rank -> (logp, entropy, state [B, T, 3]) in torch_rows' layout:
     (global raw max, log Σe, 1 − p_y)."""
-    m = gathered[..., 0].amax(0)  # [B, T]
-    shift = (gathered[..., 0] - m) / temperature  # [P, B, T]: each shard's max below the global one
-    scale = torch.exp(shift)  # each shard's sums under the global max
-    total = (scale * gathered[..., 1]).sum(0)
+    m, scale, total, weighted = _merge_sums(gathered[..., 0], gathered[..., 1], gathered[..., 2], 1.0 / temperature)
     others = (scale * gathered[..., 4]).sum(0)
-    weighted = (scale * (gathered[..., 2] + torch.where(gathered[..., 1] > 0, shift * gathered[..., 1], 0.0))).sum(0)
     log_sum = torch.log(total)
     z_y = (gathered[..., 3].amax(0) - m) / temperature
     logp = torch.where(z_y > -20.0, -torch.log1p(others / torch.exp(z_y)), z_y - log_sum)  # as torch_rows
     entropy = log_sum - weighted / total
     return logp, entropy, torch.stack([m, log_sum, others / total], dim=-1)
+
+
+def _merge_sums(
+    maxes: torch.Tensor, sums: torch.Tensor, sums_z: torch.Tensor, inv_t: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shards' (max, Σ e^{(x−max)·inv_t}, Σ e·(x−max)·inv_t), each [P, ...] -> (global max, each shard's rescale
+    factor [P, ...], global Σe, global Σe·z) under the global max. An all −inf shard (max −inf, Σe 0) adds 0."""
+    m = maxes.amax(0)
+    shift = (maxes - m) * inv_t  # [P, ...]: each shard's max below the global one
+    scale = torch.exp(shift)
+    total = (scale * sums).sum(0)
+    weighted = (scale * (sums_z + torch.where(sums > 0, shift * sums, 0.0))).sum(0)
+    return m, scale, total, weighted
 
 
 def shard_row_stats(
@@ -83,3 +101,29 @@ class ShardBackend:
 
     def row_grad(self, logits, ids, state, entropy, g, h, temperature, out):
         row_grad(logits, ids, state, entropy, g, h, temperature, out, vocab_offset=self.offset)
+
+
+def merge_row_stats(st: RowStats, group: dist.ProcessGroup) -> RowStats:
+    """The fused-linear pass-1 statistics of one shard -> those of the full vocabulary (one all-gather)."""
+    parts = torch.stack([st.max, st.sum_exp, st.sum_exp_z, st.target], dim=-1)  # [N, 4], already divided by τ
+    gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, parts, group=group)
+    every = torch.stack(gathered)  # [P, N, 4]
+    m, _, total, weighted = _merge_sums(every[..., 0], every[..., 1], every[..., 2], 1.0)
+    return RowStats(m, total, weighted, every[..., 3].amax(0))  # the one shard holding the target has it; else −inf
+
+
+class LinearShard:
+    """The fused-linear backend interface (`stats`, `grads`) over one shard of the lm_head weight rows."""
+
+    def __init__(self, rows: ModuleType, group: dist.ProcessGroup, offset: int) -> None:
+        self.rows, self.group, self.offset = rows, group, offset
+
+    def stats(self, hidden, weight, bias, ids, temperature):
+        merge = lambda st: merge_row_stats(st, self.group)
+        return self.rows.stats(hidden, weight, bias, ids - self.offset, temperature, merge)
+
+    def grads(self, hidden, weight, bias, ids, lse, entropy, g, h, temperature, needs):
+        reduce_dx = lambda dx: dist.all_reduce(dx, group=self.group)
+        local = ids - self.offset
+        return self.rows.grads(hidden, weight, bias, local, lse, entropy, g, h, temperature, needs, reduce_dx)

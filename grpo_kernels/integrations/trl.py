@@ -123,7 +123,10 @@ def _fused_linear_head(self: GRPOTrainer, model: torch.nn.Module) -> tuple[torch
     the base model through peft's wrappers; an lm_head trained as `modules_to_save` is read from its active copy.
     """
     if getattr(self, "is_fsdp_enabled", False):
-        raise _refuse("FSDP shards the lm_head weight outside the model's forward")
+        raise _refuse(
+            "FSDP shards the lm_head weight outside the model's forward, and this mode has not been tested under "
+            "accelerate's FSDP (fused_linear_grpo_loss itself gathers FSDP2 DTensor weights; see its docstring)"
+        )
     if getattr(self, "is_deepspeed_enabled", False):
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:

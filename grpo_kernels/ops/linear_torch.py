@@ -98,14 +98,13 @@ class RowStats:
     sum_exp: torch.Tensor  # Σ e^{z − max}
     sum_exp_z: torch.Tensor  # Σ e^{z − max} · (z − max): relative to the max, so H = log Σe − this / Σe does not
     # cancel two numbers of the size of the logits (terms with e == 0 count 0, so −inf logits are harmless)
-    target: torch.Tensor  # z at the target token, once its tile has been seen
+    target: torch.Tensor  # z at the target token once its tile has been seen; −inf while (or if) not seen, so a
+    # vocabulary shard without the target contributes nothing to the max over shards
 
     @classmethod
     def empty(cls, num_rows: int, device: torch.device) -> RowStats:
-        zeros = lambda: torch.zeros(num_rows, dtype=torch.float32, device=device)
-        return cls(
-            torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=device), zeros(), zeros(), zeros()
-        )
+        full = lambda value: torch.full((num_rows,), value, dtype=torch.float32, device=device)
+        return cls(full(float("-inf")), full(0.0), full(0.0), full(float("-inf")))
 
     def rows(self, r0: int, r1: int) -> RowStats:
         return RowStats(self.max[r0:r1], self.sum_exp[r0:r1], self.sum_exp_z[r0:r1], self.target[r0:r1])
@@ -157,6 +156,10 @@ def fold_grad_torch(
 
 FoldStats = Callable[[torch.Tensor, torch.Tensor, int, float, RowStats], None]
 FoldGrad = Callable[..., torch.Tensor]
+# Vocabulary parallel (see vocab_parallel.py): the merge of every shard's statistics into the full vocabulary's,
+# and the sum of every shard's fp32 ∂hidden.
+MergeStats = Callable[[RowStats], RowStats]
+ReduceGrad = Callable[[torch.Tensor], None]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,8 +174,10 @@ def run_stats(
     temperature: float,
     fold: FoldStats,
     plan: TilePlan,
+    merge: MergeStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pass 1: (logp, entropy, lse), each [B, T] float32."""
+    """Pass 1: (logp, entropy, lse), each [B, T] float32; `merge` turns one vocabulary shard's statistics into the
+    full vocabulary's before they are finished (ids are then shard-local and may lie outside the shard)."""
     batch, length, _ = hidden.shape
     flat_ids = ids.reshape(-1).long()
     st = RowStats.empty(batch * length, hidden.device)
@@ -182,6 +187,8 @@ def run_stats(
         for r0, x in blocks:
             r1 = r0 + x.shape[0]
             fold(_logits_tile(x, w, b), flat_ids[r0:r1], v0, 1.0 / temperature, st.rows(r0, r1))
+    if merge is not None:
+        st = merge(st)
     log_sum = torch.log(st.sum_exp)
     lse = st.max + log_sum
     logp = (st.target - st.max) - log_sum  # not target − lse: keeps ℓ ≈ 0 exact when the target dominates
@@ -204,11 +211,13 @@ def run_grads(
     grad_dtype: torch.dtype,
     tile_elements: int,
     min_vocab_tile: int,
+    reduce_dx: ReduceGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Pass 2: (∂hidden [B, T, H], ∂weight [V, H], ∂bias [V]) in the inputs' dtypes; None where not needed.
 
     `g`, `h`: [B, T] float32 (h None when the loss does not depend on H). `grad_dtype` is the dtype dz is
-    rounded to before its two GEMMs (fp32 here; the inputs' dtype on CUDA, for the tensor cores).
+    rounded to before its two GEMMs (fp32 here; the inputs' dtype on CUDA, for the tensor cores). `reduce_dx` sums
+    the fp32 ∂hidden over vocabulary shards in place, before it is rounded to hidden's dtype.
 
     A row whose g and h are both exactly 0 (a padded token; a zero advantage without KL) has dz = 0 exactly and adds
     nothing to any gradient, so when there are such rows pass 2 runs on a compact copy of the others only (their
@@ -221,7 +230,9 @@ def run_grads(
     n_active = int(active.sum())  # the one host sync of pass 2
     if n_active == batch * length:
         plan = plan_tiles(batch * length, weight.shape[0], tile_elements, min_vocab_tile)
-        return _dense_grads(hidden, weight, bias, ids, lse, entropy, g, h, temperature, needs, fold, grad_dtype, plan)
+        return _dense_grads(
+            hidden, weight, bias, ids, lse, entropy, g, h, temperature, needs, fold, grad_dtype, plan, reduce_dx
+        )
     idx = active.nonzero().squeeze(1)
     pick = lambda t: None if t is None else t.reshape(-1)[idx].unsqueeze(0)  # [1, n_active]
     x = hidden[idx // length, idx % length].unsqueeze(0)  # [1, n_active, H], a copy of the active rows only
@@ -240,6 +251,7 @@ def run_grads(
         fold,
         grad_dtype,
         plan,
+        reduce_dx,  # every shard has the same g, h, hence the same active rows in the same order
     )
     if dx is not None:
         full = torch.zeros(batch * length, width, dtype=hidden.dtype, device=hidden.device)
@@ -261,6 +273,7 @@ def _dense_grads(
     fold: FoldGrad,
     grad_dtype: torch.dtype,
     plan: TilePlan,
+    reduce_dx: ReduceGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     need_x, need_w, need_b = needs
     batch, length, width = hidden.shape
@@ -292,6 +305,8 @@ def _dense_grads(
                 db[v0:v1] += dz.sum(0, dtype=torch.float32)
         if need_w and dw.dtype != torch.float32:
             dw[v0:v1].copy_(dw_acc)
+    if dx is not None and reduce_dx is not None:
+        reduce_dx(dx)
     dx = None if dx is None else dx.view(batch, length, width).to(hidden.dtype)
     db = None if db is None else db.to(bias.dtype)
     return dx, dw, db
@@ -302,11 +317,16 @@ def _dense_grads(
 
 
 def stats(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, temperature: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    temperature: float,
+    merge: MergeStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1 on the CPU: (logp, entropy, lse), each [B, T] float32."""
     plan = plan_tiles(hidden.shape[0] * hidden.shape[1], weight.shape[0], TILE_ELEMENTS, MIN_VOCAB_TILE)
-    return run_stats(hidden, weight, bias, ids, temperature, fold_stats_torch, plan)
+    return run_stats(hidden, weight, bias, ids, temperature, fold_stats_torch, plan, merge)
 
 
 def grads(
@@ -320,6 +340,7 @@ def grads(
     h: torch.Tensor | None,
     temperature: float,
     needs: tuple[bool, bool, bool],
+    reduce_dx: ReduceGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Pass 2 on the CPU, with dz kept in fp32 (the CPU matmuls are fp32 anyway)."""
     return run_grads(
@@ -337,4 +358,5 @@ def grads(
         torch.float32,
         TILE_ELEMENTS,
         MIN_VOCAB_TILE,
+        reduce_dx,
     )

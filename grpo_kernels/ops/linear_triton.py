@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_torch import RowStats, plan_tiles, run_grads, run_stats
+from .linear_torch import MergeStats, ReduceGrad, RowStats, plan_tiles, run_grads, run_stats
 
 # One fp32 logits tile holds 2^25 elements (128 MiB, plus 64 MiB of bf16 dz in pass 2): at B·T = 8192 that is an
 # [8192 x H] @ [H x 4096] GEMM (compute bound on an H100/H200) and 38 tiles for V = 151936; at B·T = 32768 the tile
@@ -153,11 +153,16 @@ def _fold_grad(
 
 
 def stats(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, temperature: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    temperature: float,
+    merge: MergeStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1: (logp, entropy, lse), each [B, T] float32."""
     plan = plan_tiles(hidden.shape[0] * hidden.shape[1], weight.shape[0], TILE_ELEMENTS, MIN_VOCAB_TILE)
-    return run_stats(hidden, weight, bias, ids, temperature, _fold_stats, plan)
+    return run_stats(hidden, weight, bias, ids, temperature, _fold_stats, plan, merge)
 
 
 def grads(
@@ -171,6 +176,7 @@ def grads(
     h: torch.Tensor | None,
     temperature: float,
     needs: tuple[bool, bool, bool],
+    reduce_dx: ReduceGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Pass 2. dz is rounded to the inputs' dtype (bf16: one rounding per element, as the materialized path's
     ∂logits are) so that ∂hidden = dz @ W and ∂W = dzᵀ @ hidden run on the tensor cores with fp32 accumulation."""
@@ -189,4 +195,5 @@ def grads(
         hidden.dtype,
         TILE_ELEMENTS,
         MIN_VOCAB_TILE,
+        reduce_dx,
     )
