@@ -294,7 +294,7 @@ def grpo_loss(
         vocab_parallel_group: a torch.distributed group over which the vocabulary is sharded (Megatron-style
             tensor-parallel lm_head): `logits` is this rank's contiguous shard [B, T, V_rank], shards in rank order,
             `completion_ids` are global ids. One all-gather of [B, T, 5] partials per call; the loss and ℓ, H are
-            those of the full vocabulary, and each rank gets its shard's gradient. Rows run as torch ops.
+            those of the full vocabulary, and each rank gets its shard's gradient (two reads of the shard).
         data_parallel_group: the group the cross-rank defaults span (dapo-family token count, entropy quantile,
             metrics). Default: the default process group when torch.distributed is initialized and no
             vocab_parallel_group is given; with one, no data-parallel reduction unless this is set.
@@ -328,11 +328,9 @@ def grpo_loss(
         data_group = default_data_group() if data_parallel_group is None else data_parallel_group
         rows = _backend(backend, logits.device)
     else:
-        if backend == "triton":
-            raise ValueError("vocab_parallel_group runs its rows as torch ops; use backend='auto' or 'torch'")
-        _backend(backend, logits.device)  # still validate the name
         offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group, logits.device)
-        rows, data_group = ShardBackend(vocab_parallel_group, offset, vocab), data_parallel_group
+        shard_rows = _backend(backend, logits.device)
+        rows, data_group = ShardBackend(vocab_parallel_group, offset, vocab, shard_rows), data_parallel_group
     inp = _token_inputs(
         logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,

@@ -13,6 +13,7 @@ every shard's part: one all-reduce of the fp32 ∂hidden, inside the forward lik
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -82,25 +83,39 @@ def _merge_sums(
 
 
 def shard_row_stats(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float, group: dist.ProcessGroup, offset: int
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float,
+    group: dist.ProcessGroup,
+    offset: int,
+    partials: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    parts = shard_partials(logits, ids, offset, temperature)
+    parts = (partials or shard_partials)(logits, ids, offset, temperature)
     gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, parts, group=group)
     return merge_partials(torch.stack(gathered), temperature)
 
 
 class ShardBackend:
-    """The row-backend interface over one vocabulary shard (api.forward_rows drives it like torch_rows)."""
+    """The row-backend interface over one vocabulary shard (api.forward_rows drives it like torch_rows). `rows` is
+    the logits backend the shard's own passes run on: torch_rows, or triton_logits (its shard partials kernel, and
+    its gradient kernel with shard-local ids and the merged state)."""
 
-    def __init__(self, group: dist.ProcessGroup, offset: int, vocab: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, offset: int, vocab: int, rows: ModuleType | None = None) -> None:
         self.group, self.offset, self.vocab = group, offset, vocab
+        self.triton = rows is not None and hasattr(rows, "shard_partials")
+        self.rows = rows
 
     def row_stats(self, logits, ids, temperature):
-        return shard_row_stats(logits, ids, temperature, self.group, self.offset)
+        partials = self.rows.shard_partials if self.triton else None
+        return shard_row_stats(logits, ids, temperature, self.group, self.offset, partials)
 
     def row_grad(self, logits, ids, state, entropy, g, h, temperature, out):
-        row_grad(logits, ids, state, entropy, g, h, temperature, out, vocab_offset=self.offset)
+        if self.triton:
+            state = self.rows.shard_row_state(state, entropy)
+            self.rows.row_grad(logits, ids - self.offset, state, entropy, g, h, temperature, out)
+        else:
+            row_grad(logits, ids, state, entropy, g, h, temperature, out, vocab_offset=self.offset)
 
 
 def merge_row_stats(st: RowStats, group: dist.ProcessGroup) -> RowStats:

@@ -196,6 +196,43 @@ def row_stats_bwd_kernel(
         )
 
 
+@triton.heuristics({"ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"])})
+@triton.jit(do_not_specialize=["N", "T", "offset", "stride_xb", "stride_xt", "stride_yb", "stride_yt"])
+def shard_partials_fwd_kernel(
+    x_ptr,  # [B, T, V] logits of one vocabulary shard [offset, offset + V)
+    y_ptr,  # [B, T] global ids
+    parts_ptr,  # [B, T, 5] fp32, contiguous: see shard_partials
+    N,
+    T,
+    V,
+    offset,
+    stride_xb,
+    stride_xt,
+    stride_yb,
+    stride_yt,
+    k2,
+    BLOCK_V: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
+        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
+        y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int64) - offset
+        inside = (y >= 0) & (y < V)
+        # A target outside the shard: scan with column 0 as a stand-in target. The scan's max, Σe and Σp·z2 cover
+        # every column either way; only its ℓ and 1 − p_y refer to the target, and those are not used then.
+        y_in = tl.where(inside, y, 0).to(tl.int32)
+        b_mx, b_log2s, _, b_q, b_c2 = _row_scan(x_ptr + o_x, y_in, V, k2, BLOCK_V)
+        b_s = tl.exp2(b_log2s)
+        b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
+        p_p = parts_ptr + i_row * 5
+        tl.store(p_p, tl.where(b_live, b_mx, float("-inf")))
+        tl.store(p_p + 1, b_s)
+        tl.store(p_p + 2, tl.where(b_live, b_s * b_c2 * LN2, 0.0))  # Σ e·z', z' = (x − m)/τ
+        x_y = tl.load(x_ptr + o_x + y_in).to(tl.float32)
+        tl.store(p_p + 3, tl.where(inside, x_y, float("-inf")))
+        tl.store(p_p + 4, tl.where(inside, tl.where(b_live, b_q * b_s, 0.0), b_s))  # Σ_{v≠y} e
+
+
 @triton.jit
 def _token_coef(
     b_lp,
@@ -565,6 +602,31 @@ def row_stats(
 def row_lse(row_state: torch.Tensor, temperature: float) -> torch.Tensor:
     """logsumexp(logits/τ) per row, [B, T] float32, from `row_stats`' state (for callers that want it)."""
     return row_state[..., 0] / temperature + LN2.value * row_state[..., 1]
+
+
+def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
+    """The per-row partials of one vocabulary shard, [B, T, 5] float32, as vocab_parallel.shard_partials computes
+    them in torch ops: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e), e = exp(z'),
+    z' = (x − m)/τ. One read of the shard; `ids` are global, the shard holds [offset, offset + V)."""
+    batch, length, vocab = _check_rows(logits, ids)
+    parts = torch.empty(batch, length, 5, dtype=torch.float32, device=logits.device)
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
+    shard_partials_fwd_kernel[grid](
+        logits, ids, parts, rows, length, vocab, offset,
+        logits.stride(0), logits.stride(1), ids.stride(0), ids.stride(1),
+        LOG2E / temperature,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return parts
+
+
+def shard_row_state(state: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """vocab_parallel.merge_partials' (raw max m, log Σe, 1 − p_y) and the merged H -> this module's row_state
+    (m, log2 Σe, 1 − p_y, Σ p·z2), so that row_grad writes a shard's gradient (with ids − offset)."""
+    log_sum = state[..., 1]
+    return torch.stack([state[..., 0], log_sum / LN2.value, state[..., 2], (log_sum - entropy) / LN2.value], -1)
 
 
 def row_grad(

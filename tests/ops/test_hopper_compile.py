@@ -39,7 +39,7 @@ OPTIONAL_PTRS = {
     "rho_ptr": "HAS_RATIO",
 }
 FP32_PTRS = (
-    "logp_ptr", "ent_ptr", "state_ptr", "g_ptr", "h_ptr", "adv_ptr", "old_ptr", "ref_ptr", "rho_ptr", "w_ptr", "hw_ptr",
+    "logp_ptr", "ent_ptr", "state_ptr", "parts_ptr", "g_ptr", "h_ptr", "adv_ptr", "old_ptr", "ref_ptr", "rho_ptr", "w_ptr", "hw_ptr",
 )  # fmt: skip
 
 
@@ -64,6 +64,7 @@ def _configs():
     # The remaining flag combinations at the production shape (bf16, V = 151936), plus the unaligned variants.
     vocab, dtype = 151936, "bf16"
     out.append(("stats unaligned", "row_stats_fwd_kernel", dtype, vocab, {"ALIGNED": False}))
+    out.append(("vocab shard partials", "shard_partials_fwd_kernel", dtype, vocab, {"ALIGNED": True}))
     out.append(("grad", "row_stats_bwd_kernel", dtype, vocab, {"HAS_ENT": False, "ALIGNED": True}))
     out.append(("grad+H unaligned", "row_stats_bwd_kernel", dtype, vocab, {"HAS_ENT": True, "ALIGNED": False}))
     for loss, name in ((0, "clip"), (1, "cispo"), (2, "sapo")):
