@@ -126,6 +126,7 @@ def _vocab_rank(rank: int, world: int, store: str, results: str, data_parts: int
 def test_vocab_parallel_fused_linear_equals_unsharded_oracle(world, data_parts, backend):
     per_rank = _spawn(_vocab_rank, world, data_parts, backend)
     vocab_parts = world // data_parts
+    worst = 0.0
     for i, options in enumerate(_options(data_parts)):
         whole, dx, dw, db = _oracle(options)
         assert dw.abs().max() > 0 and dx.abs().max() > 0, "a test whose gradient is all zero proves nothing"
@@ -143,11 +144,14 @@ def test_vocab_parallel_fused_linear_equals_unsharded_oracle(world, data_parts, 
             # ∂hidden of its own sequences; the weight gradients are averaged over the data ranks of this block
             err = (gx.double() / data_parts - dx[rows]).abs().max() / dx.abs().max()
             assert err <= 1e-5, f"{options}: rank {rank}'s ∂hidden off by {err:.2e} of the max"
+            worst = max(worst, float(err))
             mean_w = sum(per_rank[e * vocab_parts + v][i][4].double() for e in range(data_parts)) / data_parts
             mean_b = sum(per_rank[e * vocab_parts + v][i][5].double() for e in range(data_parts)) / data_parts
             err = (mean_w - dw[block]).abs().max() / dw.abs().max()
             assert err <= 1e-5, f"{options}: rank {rank}'s ∂weight rows off by {err:.2e} of the max"
+            worst = max(worst, float(err))
             assert (mean_b - db[block]).abs().max() <= 1e-5 * db.abs().max(), (options, rank)
+    print(f"world {world} ({data_parts} data x {vocab_parts} vocab, {backend}): worst ∂hidden/∂weight error {worst:.1e}")
 
 
 def test_vocab_parallel_checks_ids_against_the_full_vocabulary():
@@ -221,11 +225,14 @@ def test_fsdp2_sharded_lm_head_gives_the_whole_batch_gradient(options):
     h = model(hidden.double())
     logits = torch.nn.functional.linear(h, model.lm_head.weight, model.lm_head.bias)
     reference_grpo_loss(logits, ids, adv, mask, old, ref, **options).loss.backward()
+    worst = 0.0
     for name, p in model.named_parameters():
         assert p.grad.abs().max() > 0, name
         for rank, grads in enumerate(per_rank):
             err = (grads[name].double() - p.grad).abs().max() / p.grad.abs().max()
             assert err <= 1e-5, f"rank {rank}: ∂{name} off by {err:.2e} of the max"
+            worst = max(worst, float(err))
+    print(f"FSDP2 {options}: worst parameter-gradient error {worst:.1e} of the max")
 
 
 def test_zero3_partitioned_weight_is_refused_by_name():
