@@ -137,20 +137,16 @@ def all_reduce_(x: torch.Tensor, ctx: Dist, op: Any = None) -> torch.Tensor:
     return y.to(x.device)
 
 
-def average_gradients(params: list[torch.nn.Parameter], ctx: Dist) -> None:
-    """DDP's gradient averaging by hand: one flat all-reduce of the trainable (LoRA) gradients, divided by the
-    world size. Each rank's loss is normalized so that this average is the gradient of the whole batch's loss."""
+def wrap_ddp(model: Any, device: torch.device, ctx: Dist) -> Any:
+    """The model that the policy update runs: a DistributedDataParallel wrapper when multi-process (its construction
+    broadcasts rank 0's parameters; each backward all-reduces and averages the trainable, LoRA, gradients), else the
+    model itself. Sampling, old/ref log-probs and saving keep using the unwrapped model."""
     if not ctx.active:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= ctx.world
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def sample_seed(seed: int, step: int, prompt: int, generation: int) -> int:
@@ -280,7 +276,7 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
 def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int) -> torch.Tensor:
     """[n, T, V] logits where [:, t] scores completion token t: a strided view of the model's output, no copy."""
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-    kwargs = {"logits_to_keep": length + 1} if _accepts_logits_to_keep(model) else {}
+    kwargs = {"logits_to_keep": length + 1} if _accepts_logits_to_keep(getattr(model, "module", model)) else {}
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs
     ).logits  # [n, T+1 or P+T, V]
@@ -482,15 +478,15 @@ def policy_update(
 ) -> dict[str, float]:
     """`num_iterations` optimizer steps on one rollout batch, each accumulated over its micro-batches.
 
-    Under torchrun each rank holds an equal share of the batch's sequences and the gradients are averaged over the
-    ranks (`average_gradients`); the losses are normalized so that the average is the whole batch's gradient:
+    Under torchrun `model` is the DistributedDataParallel wrapper (`wrap_ddp`): each rank holds an equal share of the
+    batch's sequences, and the last micro-batch's backward of each optimizer step all-reduces the gradients and
+    averages them over the ranks (the others run under `no_sync`); the losses are normalized so that the average is
+    the whole batch's gradient:
     grpo/sapo/dr_grpo/luspo average over (equally many) sequences per rank, and the token-sum losses divide by
     the token count of all ranks over the world size (`num_items_in_batch` below, `dapo_normalizer`)."""
     ctx = ctx or Dist()
     n, length = roll.completion_ids.shape
     chunks = micro_batches(n, cfg)
-    token_sum = cfg.loss_type in TOKEN_SUM_LOSSES
-    options = cfg.loss_options()  # temperature and max_completion_length included: sampling and loss share them
     num_items = all_reduce_(roll.completion_mask.sum().double().cpu(), ctx).item()  # tokens of all ranks
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = defaultdict(float)
@@ -499,27 +495,11 @@ def policy_update(
     model.train()
     for _ in range(cfg.num_iterations):
         step_loss = 0.0
-        for sl in chunks:
-            logits = completion_logits(model, roll.input_ids[sl], roll.attention_mask[sl], length)  # [n, T, V] view
-            out = grpo_loss(
-                logits,
-                roll.completion_ids[sl],
-                roll.advantages[sl],
-                roll.completion_mask[sl],
-                None if roll.old_logp is None else roll.old_logp[sl],
-                None if roll.ref_logp is None else roll.ref_logp[sl],
-                num_items_in_batch=num_items,
-                backend=cfg.backend,
-                **options,
-            )
-            loss = out.loss if token_sum else out.loss / len(chunks)
-            loss.backward()
-            step_loss += loss.item()
-            w = roll.completion_mask[sl].sum().item()  # metrics are already means over all ranks
-            for key, value in out.metrics.items():
-                sums[key] += float(value) * w
-                weights[key] += w
-        average_gradients(params, ctx)
+        for i, sl in enumerate(chunks):
+            # DDP: accumulate locally; the last micro-batch's backward averages the sum over the ranks, once
+            last = i == len(chunks) - 1
+            with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+                step_loss += _micro_batch_loss(model, roll, sl, length, num_items, len(chunks), cfg, sums, weights, ctx)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         optimizer.step()
         scheduler.step()
@@ -533,6 +513,41 @@ def policy_update(
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["learning_rate"] = scheduler.get_last_lr()[0]
     return metrics
+
+
+def _micro_batch_loss(
+    model: Any,
+    roll: Rollout,
+    sl: slice,
+    length: int,
+    num_items: float,
+    num_chunks: int,
+    cfg: TrainConfig,
+    sums: dict[str, float],
+    weights: dict[str, float],
+    ctx: Dist,
+) -> float:
+    """Forward and backward of one micro-batch; adds its token-weighted metrics to `sums`/`weights`."""
+    logits = completion_logits(model, roll.input_ids[sl], roll.attention_mask[sl], length)  # [n, T, V] view
+    out = grpo_loss(
+        logits,
+        roll.completion_ids[sl],
+        roll.advantages[sl],
+        roll.completion_mask[sl],
+        None if roll.old_logp is None else roll.old_logp[sl],
+        None if roll.ref_logp is None else roll.ref_logp[sl],
+        num_items_in_batch=num_items,
+        backend=cfg.backend,
+        **cfg.loss_options(),  # temperature and max_completion_length included: sampling and loss share them
+    )
+    loss = out.loss if cfg.loss_type in TOKEN_SUM_LOSSES else out.loss / num_chunks
+    loss.backward()
+    # The metrics are already means over this micro-batch of every rank, so they weigh by its tokens on every rank
+    w = all_reduce_(roll.completion_mask[sl].sum().double(), ctx).item()
+    for key, value in out.metrics.items():
+        sums[key] += float(value) * w
+        weights[key] += w
+    return loss.item()
 
 
 def make_optimizer(model: Any, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, Any]:
@@ -572,9 +587,11 @@ def train(
     (a model folder or hub id, a dataset, reward function names); the model gets a fresh LoRA adapter.
 
     Under `torchrun --nproc_per_node N` (WORLD_SIZE > 1) the run is data-parallel: each rank samples and trains on
-    prompts_per_step / N prompts of every step (each with its whole group of G completions), the LoRA gradients are
-    averaged over the ranks, and only rank 0 writes metrics, checkpoints, the adapter and the plot. Completions are
-    sampled from per-completion seeds, so N processes train the same adapter as one (up to float reduction order)."""
+    prompts_per_step / N prompts of every step (each with its whole group of G completions), the policy update runs
+    through DistributedDataParallel (the LoRA gradients averaged over the ranks), and only rank 0 writes metrics,
+    checkpoints, the adapter and the plot. `accelerate launch --multi_gpu --num_processes N` sets the same variables.
+    Completions are sampled from per-completion seeds, so N processes train the same adapter as one (up to float
+    reduction order)."""
     threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -633,9 +650,6 @@ def _train(
 
     model = add_lora(model.to(device), cfg)
     model.train()  # from_pretrained returns eval mode; old/ref log-probs and updates all see the same mode
-    if ctx.active:  # the seeds already agree; this makes sure, whatever the model's own init did
-        for param in (p for p in model.parameters() if p.requires_grad):
-            dist.broadcast(param.data, src=0)
     optimizer, scheduler = make_optimizer(model, cfg)
     out_dir = Path(cfg.output_dir)
     metrics_path = out_dir / "metrics.jsonl"
@@ -648,6 +662,9 @@ def _train(
     records = _read_records(
         metrics_path, upto=start
     )  # a resumed run drops what the killed one logged past its checkpoint
+    # after the checkpoint is loaded; DDP's construction also broadcasts rank 0's parameters, so every rank starts
+    # from the same adapter whatever the model's own initialization did
+    trained = wrap_ddp(model, device, ctx)
     if ctx.active:
         dist.barrier()  # every rank has read the checkpoint and the records before rank 0 rewrites them
     if ctx.main:
@@ -678,7 +695,7 @@ def _train(
                 for j in range(cfg.num_generations)
             ]
             roll = rollout(model, tokenizer, batch, cfg, reward_funcs, weights, seeds=seeds, ctx=ctx)
-            update = policy_update(model, optimizer, scheduler, roll, cfg, ctx)
+            update = policy_update(trained, optimizer, scheduler, roll, cfg, ctx)
             record = {
                 "step": step + 1,
                 **roll.metrics,
