@@ -91,3 +91,32 @@ def test_a_million_completion_tokens():
     ref = grpo_loss(x.detach().cpu().requires_grad_(True), ids.cpu(), adv.cpu(), mask.cpu(), backend="torch")
     torch.testing.assert_close(out.logp.cpu(), ref.logp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.loss.cpu(), ref.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_shard_kernels_at_real_size():
+    """The vocabulary-parallel Triton path without collectives: Qwen's vocabulary cut in two shards, each shard's
+    partials from the Triton kernel equal the torch ones, and the merged ℓ/H and the shards' gradients (Triton
+    gradient kernel on the merged state) equal the unsharded Triton path's."""
+    from grpo_kernels.vocab_parallel import merge_partials, shard_partials
+
+    full, ids, _, _ = _problem(4, 256, 151936, torch.bfloat16)
+    x = full[:, :-1]
+    half = 151936 // 2
+    shards = [(x[..., :half], 0), (x[..., half:], half)]
+    parts = [triton_logits.shard_partials(s, ids, off, 0.9) for s, off in shards]
+    for p, (s, off) in zip(parts, shards):
+        torch.testing.assert_close(p, shard_partials(s.float(), ids, off, 0.9), rtol=2e-6, atol=0.0)
+    logp, entropy, state = merge_partials(torch.stack(parts), 0.9)
+    whole_logp, whole_entropy, whole_state = triton_logits.row_stats(x, ids, 0.9)
+    torch.testing.assert_close(logp, whole_logp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropy, whole_entropy, rtol=1e-5, atol=1e-6)
+    g, h = torch.randn_like(logp), torch.randn_like(logp)
+    want = torch.empty_like(x)
+    triton_logits.row_grad(x, ids, whole_state, whole_entropy, g, h, 0.9, want)
+    merged = triton_logits.shard_row_state(state, entropy)
+    for s, off in shards:
+        got = torch.empty_like(s)
+        triton_logits.row_grad(s, ids - off, merged, entropy, g, h, 0.9, got)
+        # two bf16 roundings of values that agree to fp32 precision: at most one bf16 ulp (2^-7 relative) apart
+        ref = want[..., off : off + s.shape[-1]].float()
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-6 * ref.abs().max().item())

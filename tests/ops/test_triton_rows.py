@@ -537,3 +537,30 @@ def test_property_rows_and_fused(problem):
     cfg = LossConfig(temperature=tau, **opts)
     inputs = token_inputs(batch, length, gen, ref=cfg.beta != 0, ent=cfg.entropy_coef != 0, **flags)
     run_fused(x, ids, cfg, inputs, out=out)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Vocabulary shards: the Triton shard partials against vocab_parallel's torch ones (single process, no collective)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "time_slice", "row_pad"])
+def test_shard_partials_match_the_torch_partials(dtype, layout):
+    from grpo_kernels.vocab_parallel import shard_partials as torch_partials
+
+    gen = torch.Generator().manual_seed(5)
+    batch, length, vocab, offset = 2, 3, 40, 40  # the shard [40, 80) of a 120-id vocabulary
+    values = randn(gen, batch, length, vocab) * 3
+    values[1, 2] = -math.inf  # an all −inf shard row (padded vocabulary): it must add nothing when merged
+    values[0, 0, 7] += 30.0  # a peaked row whose target is in the shard: Σ_{v≠y} e must not be formed as a difference
+    ids = torch.tensor([[offset + 7, 3, offset + 39], [offset, 119, offset + 12]], device=DEVICE)  # in and out
+    x = make_logits(values, dtype, layout)
+    for temperature in (1.0, 0.7):
+        got = triton_logits.shard_partials(x, ids, offset, temperature)
+        want = torch_partials(x.float(), ids, offset, temperature)  # the torch partials of the same rounded values
+        assert got.shape == (batch, length, 5)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0.0)
+        # target logit −inf: outside the shard (ids 3, 119), or the all −inf row
+        outside = torch.tensor([[False, True, False], [False, True, True]], device=DEVICE)
+        assert torch.equal(torch.isinf(got[..., 3]), outside)
+        assert torch.isinf(got[1, 2, 0]) and got[1, 2, 1:3].eq(0).all() and got[1, 2, 4] == 0  # adds nothing
