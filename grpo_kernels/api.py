@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .config import BACKENDS, OPTION_DEFAULTS, LossConfig
-from .distributed import default_data_group
+from .distributed import check_group, default_data_group
 from .vocab_parallel import ShardBackend, shard_offset
 from .compile_op import flat_numbers, row_stats_op, traced_config, validate_config
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
@@ -313,13 +313,18 @@ def grpo_loss(
         >>> out.loss.backward()
     """
     if torch.compiler.is_compiling():
+        if vocab_parallel_group is not None:
+            raise ValueError("vocab_parallel_group is not supported under torch.compile; call grpo_loss eagerly")
         tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
-        return _compiled_grpo_loss(logits, completion_ids, tensors, inplace_backward, backend, options)
+        data_group = default_data_group() if data_parallel_group is None else data_parallel_group
+        return _compiled_grpo_loss(logits, completion_ids, tensors, inplace_backward, backend, options, data_group)
     unknown = set(options) - OPTION_DEFAULTS.keys()
     if unknown:
         raise TypeError(f"grpo_loss got unknown option(s) {sorted(unknown)}")
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("data_parallel_group", data_parallel_group)
     cfg = LossConfig(**options)
     logits = _check_logits(logits)
     batch, length, _ = logits.shape
@@ -349,6 +354,7 @@ def _compiled_grpo_loss(
     inplace: bool,
     backend: str,
     options: dict[str, Any],
+    data_group: Any,
 ) -> GRPOOutput:
     """grpo_loss as traced by torch.compile: opaque row ops around a traced O(B·T) objective (see compile_op)."""
     if inplace:
@@ -358,7 +364,7 @@ def _compiled_grpo_loss(
     logits = _check_logits(logits)
     batch, length, _ = logits.shape
     ids = _check_ids(completion_ids, batch, length, logits.device)
-    inp = _token_inputs(logits, *tensors, beta=cfg.beta, data_group=default_data_group())
+    inp = _token_inputs(logits, *tensors, beta=cfg.beta, data_group=data_group)
     logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
     loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
     return GRPOOutput(loss=loss.float(), logp=logp.detach(), entropy=entropy.detach(), metrics=metrics)

@@ -18,6 +18,16 @@ def default_data_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if is_distributed() else None
 
 
+def check_group(name: str, group: object) -> None:
+    """A process-group argument must be None or a ProcessGroup of an initialized torch.distributed."""
+    if group is None:
+        return
+    if not is_distributed():
+        raise ValueError(f"{name} was given but torch.distributed is not initialized (call init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
 def world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if group is not None else 1
 

@@ -14,7 +14,7 @@ import torch
 
 from .api import LOGITS_DTYPES, GRPOOutput, _backend, _check_ids, _token_inputs, check_ids_range
 from .config import LossConfig
-from .distributed import default_data_group, gather_sharded
+from .distributed import check_group, default_data_group, gather_sharded
 from .loss_math import TokenInputs, grpo_objective
 from .vocab_parallel import LinearShard, shard_offset
 
@@ -175,6 +175,8 @@ def fused_linear_grpo_loss(
     if unknown:
         raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
     cfg = LossConfig(**options)
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("data_parallel_group", data_parallel_group)
     weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape

@@ -151,10 +151,11 @@ def test_vocab_parallel_fused_linear_equals_unsharded_oracle(world, data_parts, 
             assert err <= 1e-5, f"{options}: rank {rank}'s ∂weight rows off by {err:.2e} of the max"
             worst = max(worst, float(err))
             assert (mean_b - db[block]).abs().max() <= 1e-5 * db.abs().max(), (options, rank)
-    print(f"world {world} ({data_parts} data x {vocab_parts} vocab, {backend}): worst ∂hidden/∂weight error {worst:.1e}")
+    layout = f"{data_parts} data x {vocab_parts} vocab, {backend}"
+    print(f"world {world} ({layout}): worst ∂hidden/∂weight error {worst:.1e}")
 
 
-def test_vocab_parallel_checks_ids_against_the_full_vocabulary():
+def test_vocab_parallel_checks_ids_against_the_full_vocabulary_and_the_group():
     per_rank = _spawn(_ids_rank, 2)
     assert per_rank[0] == per_rank[1] == "ok"
 
@@ -172,6 +173,14 @@ def _ids_rank(rank: int, world: int, store: str, results: str) -> None:
             verdict = "accepted an id outside the full vocabulary"
         except ValueError as err:
             verdict = "ok" if "completion_ids" in str(err) else str(err)
+        try:  # with torch.distributed up, a group argument that is not a ProcessGroup is named
+            fused_linear_grpo_loss(
+                torch.randn(1, 2, 4), w, torch.tensor([[0, 1]]), torch.ones(1), vocab_parallel_group="tp"
+            )
+            verdict = "accepted a string as vocab_parallel_group"
+        except TypeError as err:
+            named = "vocab_parallel_group must be a torch.distributed ProcessGroup" in str(err)
+            verdict = verdict if named else str(err)
         torch.save(verdict, os.path.join(results, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -110,3 +110,18 @@ def test_second_backward_is_an_error_not_a_wrong_number():
 def test_group_advantages_validates(rewards, kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         group_advantages(rewards, **kwargs)
+
+
+@pytest.mark.parametrize("loss_fn", ["grpo_loss", "fused_linear_grpo_loss"])
+@pytest.mark.parametrize("name", ["vocab_parallel_group", "data_parallel_group"])
+def test_process_group_arguments_are_checked_by_name(loss_fn, name):
+    from grpo_kernels import fused_linear_grpo_loss
+
+    ids, adv = torch.zeros(1, 2, dtype=torch.long), torch.ones(1)
+    if loss_fn == "grpo_loss":
+        call = lambda group: grpo_loss(torch.randn(1, 2, 3), ids, adv, **{name: group})
+    else:
+        call = lambda group: fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, **{name: group})
+    # this test process has no process group: a group argument cannot be honoured, and must not be ignored
+    with pytest.raises(ValueError, match=f"{name} was given but torch.distributed is not initialized"):
+        call(object())
