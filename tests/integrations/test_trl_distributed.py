@@ -1,0 +1,80 @@
+"""FusedGRPOTrainer against TRL's GRPOTrainer under 2 data-parallel processes (gloo on CPU, set up by accelerate as
+`accelerate launch` would): what TRL reduces across processes (the entropy-mask quantile over every rank's
+entropies, the dapo/cispo/vespo token count over the world size, the gathered metrics) must come out the same.
+
+Each rank builds both trainers on the same tiny model, crafts its own micro-batch (a different one per rank), and
+compares one compute_loss + backward exactly as tests/integrations/test_trl_parity.py does in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("trl")
+
+from . import save_tiny_model
+
+WORLD = 2
+CASES = [
+    dict(loss_type="dapo", beta=0.05),  # num_items_in_batch / world size
+    dict(loss_type="grpo", top_entropy_quantile=0.5),  # the quantile over the gathered entropies
+    dict(loss_type="cispo", importance_sampling_level="sequence"),
+    dict(loss_type="vespo", entropy_coef=0.02),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, model_dir: str, port: int, results: str) -> None:
+    # the variables torchrun / accelerate launch set; accelerate then joins a gloo group on CPU
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    torch.set_num_threads(1)
+    verdicts = []
+    try:
+        import torch.distributed as dist
+        from trl import GRPOTrainer
+
+        from grpo_kernels.integrations.trl import FusedGRPOTrainer
+
+        from .test_trl_parity import assert_same, loss_grads_metrics, make_inputs, make_trainer
+
+        for options in CASES:
+            out = os.path.join(results, f"out{rank}")
+            trainers = [make_trainer(cls, model_dir, out, **options) for cls in (GRPOTrainer, FusedGRPOTrainer)]
+            assert dist.is_initialized() and dist.get_world_size() == WORLD, "the trainers did not go distributed"
+            for trainer in trainers:
+                trainer.model.train()
+            batch = make_inputs(trainers[0], seed=rank)  # each rank its own micro-batch
+            try:
+                assert_same(loss_grads_metrics(trainers[0], batch), loss_grads_metrics(trainers[1], batch))
+                verdicts.append("ok")
+            except AssertionError as err:
+                verdicts.append(f"{options}: {err}")
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        verdicts.append(traceback.format_exc())
+    torch.save(verdicts, os.path.join(results, f"rank{rank}.pt"))
+
+
+def test_two_processes_match_trl(tmp_path_factory):
+    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_dp")))
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _rank_main, args=(model_dir, _free_port(), tmp), nprocs=WORLD, join=True, start_method="spawn"
+        )
+        verdicts = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    for rank, per_case in enumerate(verdicts):
+        assert per_case == ["ok"] * len(CASES), f"rank {rank}: {per_case}"
