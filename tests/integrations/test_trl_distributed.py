@@ -2,12 +2,14 @@
 `accelerate launch` would): what TRL reduces across processes (the entropy-mask quantile over every rank's
 entropies, the dapo/cispo/vespo token count over the world size, the gathered metrics) must come out the same.
 
-Each rank builds both trainers on the same tiny model, crafts its own micro-batch (a different one per rank), and
-compares one compute_loss + backward exactly as tests/integrations/test_trl_parity.py does in one process.
+Each rank builds TRL's trainer and ours (in the logits mode and with use_fused_linear=True) on the same tiny model,
+crafts its own micro-batch (a different one per rank), and compares one compute_loss + backward exactly as
+tests/integrations/test_trl_parity.py does in one process.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tempfile
@@ -54,16 +56,20 @@ def _rank_main(rank: int, model_dir: str, port: int, results: str) -> None:
 
         for options in CASES:
             out = os.path.join(results, f"out{rank}")
-            trainers = [make_trainer(cls, model_dir, out, **options) for cls in (GRPOTrainer, FusedGRPOTrainer)]
+            fused_linear = functools.partial(FusedGRPOTrainer, use_fused_linear=True)
+            classes = (GRPOTrainer, FusedGRPOTrainer, fused_linear)
+            trainers = [make_trainer(cls, model_dir, out, **options) for cls in classes]
             assert dist.is_initialized() and dist.get_world_size() == WORLD, "the trainers did not go distributed"
             for trainer in trainers:
                 trainer.model.train()
             batch = make_inputs(trainers[0], seed=rank)  # each rank its own micro-batch
-            try:
-                assert_same(loss_grads_metrics(trainers[0], batch), loss_grads_metrics(trainers[1], batch))
-                verdicts.append("ok")
-            except AssertionError as err:
-                verdicts.append(f"{options}: {err}")
+            reference = loss_grads_metrics(trainers[0], batch)
+            for mode, trainer in zip(("logits", "fused-linear"), trainers[1:]):
+                try:
+                    assert_same(reference, loss_grads_metrics(trainer, batch))
+                    verdicts.append("ok")
+                except AssertionError as err:
+                    verdicts.append(f"{mode} {options}: {err}")
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
         verdicts.append(traceback.format_exc())
     torch.save(verdicts, os.path.join(results, f"rank{rank}.pt"))
@@ -77,4 +83,4 @@ def test_two_processes_match_trl(tmp_path_factory):
         )
         verdicts = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for rank, per_case in enumerate(verdicts):
-        assert per_case == ["ok"] * len(CASES), f"rank {rank}: {per_case}"
+        assert per_case == ["ok"] * (2 * len(CASES)), f"rank {rank}: {per_case}"
