@@ -122,10 +122,10 @@ def _fused_linear_head(self: GRPOTrainer, model: torch.nn.Module) -> tuple[torch
     Raises ValueError for what `fused_linear_grpo_loss` cannot reproduce. With PEFT, `get_output_embeddings` reaches
     the base model through peft's wrappers; an lm_head trained as `modules_to_save` is read from its active copy.
     """
-    if getattr(self, "is_fsdp_enabled", False):
+    if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
         raise _refuse(
-            "FSDP shards the lm_head weight outside the model's forward, and this mode has not been tested under "
-            "accelerate's FSDP (fused_linear_grpo_loss itself gathers FSDP2 DTensor weights; see its docstring)"
+            "FSDP1 flattens the lm_head weight into a buffer outside the model's forward; use FSDP2 (fsdp_version: 2), "
+            "whose sharded DTensor weight fused_linear_grpo_loss gathers"
         )
     if getattr(self, "is_deepspeed_enabled", False):
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
@@ -170,7 +170,8 @@ def _fused_linear_head(self: GRPOTrainer, model: torch.nn.Module) -> tuple[torch
     if not isinstance(linear, torch.nn.Linear) or type(linear).forward is not torch.nn.Linear.forward:
         raise _refuse(f"the lm_head is a {type(linear).__name__}, not a plain torch.nn.Linear")
     weight = linear.weight
-    if not weight.is_floating_point() or weight.is_meta or type(weight).__name__ == "DTensor" or weight.dim() != 2:
+    # A DTensor (FSDP2 / fully_shard) weight is fine: fused_linear_grpo_loss gathers it for the call
+    if not weight.is_floating_point() or weight.is_meta or weight.dim() != 2:
         raise _refuse(
             f"the lm_head weight is not a plain floating-point matrix on a device ({type(weight).__name__}, "
             f"{weight.dtype}, {weight.device}): quantized, offloaded and sharded heads are not supported"
@@ -455,7 +456,7 @@ class FusedGRPOTrainer(GRPOTrainer):
     states and the lm_head weight with `fused_linear_grpo_loss`, never forming the (B, T, V) logits; same options,
     normalizers and metrics. It needs a plain nn.Linear lm_head (tied or not, frozen or trained; PEFT adapters on
     the body are fine) and refuses, with a ValueError, models that softcap or scale their logits, adapters on the
-    lm_head, and lm_head weights sharded or partitioned outside the forward (FSDP, DeepSpeed ZeRO-3).
+    lm_head, and lm_head weights flattened or partitioned outside the forward (FSDP1, DeepSpeed ZeRO-3).
     """
 
     use_fused_linear: bool = False

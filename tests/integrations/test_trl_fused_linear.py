@@ -379,3 +379,13 @@ def test_trains(tmp_path, model_dir, monkeypatch):
     assert_trained(trainer, before, steps=2)
     assert len(calls) == 2
     assert not trainer.model.lm_head._forward_pre_hooks and not trainer.model.lm_head._forward_hooks  # hooks removed
+
+
+def test_fsdp1_is_refused(model_dir, tmp_path):
+    # accelerate's FSDP1 flattens the head into a FlatParameter; FSDP2 (accelerator.is_fsdp2) is let through and
+    # tested in test_trl_fsdp.py
+    trainer = make_trainer(GRPOTrainer, model_dir, tmp_path)
+    trainer.is_fsdp_enabled = True
+    assert not trainer.accelerator.is_fsdp2
+    with pytest.raises(ValueError, match="use_fused_linear=True: FSDP1 flattens the lm_head weight"):
+        patch_grpo_trainer(trainer, use_fused_linear=True)
