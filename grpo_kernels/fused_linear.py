@@ -154,7 +154,8 @@ def fused_linear_grpo_loss(
             (Megatron-style): `weight` (and `bias`) are this rank's contiguous rows [V_rank, H], shards in rank order;
             hidden, completion_ids (global ids) and the other inputs are the same on every rank of the group. One
             all-gather of [B·T, 4] statistics and one all-reduce of the fp32 ∂hidden per call, both in the forward;
-            each rank gets its rows' ∂weight, and ∂hidden is the full one.
+            each rank gets its rows' ∂weight, and ∂hidden is the full one (so hidden must not pass through a region
+            whose backward all-reduces it again, such as Megatron's copy_to_tensor_model_parallel_region).
         data_parallel_group: as in `grpo_loss` (default: the default process group when torch.distributed is
             initialized and no vocab_parallel_group is given).
 

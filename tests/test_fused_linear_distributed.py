@@ -24,10 +24,10 @@ from reference import reference_grpo_loss
 B, T, H, V = 4, 3, 8, 37  # 37 rows split unevenly over 2 and 4 ranks
 
 OPTIONS = [
-    dict(loss_type="dapo", beta=0.1),  # the token count and KL across data ranks
-    dict(loss_type="grpo", importance_sampling_level="sequence", top_entropy_quantile=0.6, temperature=0.7),
-    dict(loss_type="cispo", epsilon_high=1.2),
-    dict(loss_type="bnpo", entropy_coef=0.05),  # the entropy-bonus gradient through the merged H
+    {"loss_type": "dapo", "beta": 0.1},  # the token count and KL across data ranks
+    {"loss_type": "grpo", "importance_sampling_level": "sequence", "top_entropy_quantile": 0.6, "temperature": 0.7},
+    {"loss_type": "cispo", "epsilon_high": 1.2},
+    {"loss_type": "bnpo", "entropy_coef": 0.05},  # the entropy-bonus gradient through the merged H
 ]
 
 
@@ -226,7 +226,7 @@ def _fsdp_rank(rank: int, world: int, store: str, results: str, options: dict) -
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("options", [OPTIONS[0], dict(loss_type="grpo")], ids=["dapo-kl", "grpo"])
+@pytest.mark.parametrize("options", [OPTIONS[0], {"loss_type": "grpo"}], ids=["dapo-kl", "grpo"])
 def test_fsdp2_sharded_lm_head_gives_the_whole_batch_gradient(options):
     per_rank = _spawn(_fsdp_rank, 2, options)
     hidden, _, _, ids, adv, mask, old, ref = _inputs()

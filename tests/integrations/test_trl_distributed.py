@@ -25,10 +25,10 @@ from . import save_tiny_model
 
 WORLD = 2
 CASES = [
-    dict(loss_type="dapo", beta=0.05),  # num_items_in_batch / world size
-    dict(loss_type="grpo", top_entropy_quantile=0.5),  # the quantile over the gathered entropies
-    dict(loss_type="cispo", importance_sampling_level="sequence"),
-    dict(loss_type="vespo", entropy_coef=0.02),
+    {"loss_type": "dapo", "beta": 0.05},  # num_items_in_batch / world size
+    {"loss_type": "grpo", "top_entropy_quantile": 0.5},  # the quantile over the gathered entropies
+    {"loss_type": "cispo", "importance_sampling_level": "sequence"},
+    {"loss_type": "vespo", "entropy_coef": 0.02},
 ]
 
 

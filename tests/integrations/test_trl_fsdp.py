@@ -22,7 +22,7 @@ pytest.importorskip("trl")
 from . import save_tiny_model
 
 WORLD = 2
-CASES = [dict(loss_type="dapo", beta=0.05), dict(loss_type="grpo", top_entropy_quantile=0.5)]
+CASES = [{"loss_type": "dapo", "beta": 0.05}, {"loss_type": "grpo", "top_entropy_quantile": 0.5}]
 
 
 def _free_port() -> int:
