@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import group_advantages, grpo_loss, selective_log_softmax
 from ..rewards import RewardFunc, combine_rewards, get_reward_funcs, reward_name
@@ -138,15 +139,15 @@ def all_reduce_(x: torch.Tensor, ctx: Dist, op: Any = None) -> torch.Tensor:
 
 
 def wrap_ddp(model: Any, device: torch.device, ctx: Dist) -> Any:
-    """The model that the policy update runs: a DistributedDataParallel wrapper when multi-process (its construction
-    broadcasts rank 0's parameters; each backward all-reduces and averages the trainable, LoRA, gradients), else the
-    model itself. Sampling, old/ref log-probs and saving keep using the unwrapped model."""
+    """The model that the policy update runs: a DistributedDataParallel wrapper when multi-process, else the model
+    itself. Sampling, old/ref log-probs and saving keep using the unwrapped model.
+
+    DDP's construction broadcasts rank 0's parameters and buffers, the frozen base weights included (a one-time
+    copy of the model), so every rank starts from the same adapter whatever its own initialization or checkpoint
+    did; its reducer then all-reduces and averages the trainable, LoRA, gradients only."""
     if not ctx.active:
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def sample_seed(seed: int, step: int, prompt: int, generation: int) -> int:
@@ -496,9 +497,10 @@ def policy_update(
     for _ in range(cfg.num_iterations):
         step_loss = 0.0
         for i, sl in enumerate(chunks):
-            # DDP: accumulate locally; the last micro-batch's backward averages the sum over the ranks, once
-            last = i == len(chunks) - 1
-            with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            # DDP: the micro-batches accumulate locally under no_sync; the last one's backward all-reduces the sum,
+            # one gradient all-reduce per optimizer step
+            sync = i == len(chunks) - 1 or not isinstance(model, DistributedDataParallel)
+            with contextlib.nullcontext() if sync else model.no_sync():
                 step_loss += _micro_batch_loss(model, roll, sl, length, num_items, len(chunks), cfg, sums, weights, ctx)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         optimizer.step()
@@ -659,12 +661,8 @@ def _train(
     start = 0
     if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:  # every rank loads the same checkpoint
         start = load_checkpoint(ckpt, model, optimizer, scheduler)
-    records = _read_records(
-        metrics_path, upto=start
-    )  # a resumed run drops what the killed one logged past its checkpoint
-    # after the checkpoint is loaded; DDP's construction also broadcasts rank 0's parameters, so every rank starts
-    # from the same adapter whatever the model's own initialization did
-    trained = wrap_ddp(model, device, ctx)
+    records = _read_records(metrics_path, upto=start)  # a resumed run drops what was logged past its checkpoint
+    trained = wrap_ddp(model, device, ctx)  # after the checkpoint is loaded: DDP broadcasts rank 0's parameters
     if ctx.active:
         dist.barrier()  # every rank has read the checkpoint and the records before rank 0 rewrites them
     if ctx.main:

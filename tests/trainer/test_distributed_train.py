@@ -21,15 +21,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from grpo_kernels.trainer import loop, train
 from grpo_kernels.trainer.checkpoint import ADAPTER_FILE, list_checkpoints
 
-from .conftest import tiny_argv
+from .conftest import tiny_argv, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING = ("tokens_per_s", "time/generate_s", "time/step_s", "peak_memory_mb")
 STEPS = 3
+# The run the accelerate and resume tests compare with: 2 micro-batches per step, so no_sync is exercised too
+GRPO = {"loss_type": "grpo", "gradient_accumulation_steps": 2}
 
 
 def free_port() -> int:
@@ -66,7 +73,7 @@ def run_cli(model_dir, dataset_file, output_dir, nproc: int, launcher: str = "to
             "--dynamo_backend",
             "no",
             "--main_process_port",
-            str(free_port()),
+            "0",  # accelerate picks a free port itself
             "-m",
             "grpo_kernels.cli",
         ]
@@ -111,20 +118,39 @@ def adapter(output_dir) -> dict[str, torch.Tensor]:
     return load_file(Path(output_dir) / "adapter" / ADAPTER_FILE)
 
 
+@pytest.fixture(scope="module")
+def trained(model_dir, dataset_file, tmp_path_factory):
+    """`trained(nproc, launcher, **options)` runs the CLI once per distinct arguments in this module (per xdist
+    worker) and returns the output folder, so the tests below share their reference runs. Callers copy a folder
+    before changing it."""
+    runs: dict[tuple, Path] = {}
+
+    def run(nproc: int, launcher: str = "torchrun", **options) -> Path:
+        key = (nproc, launcher, tuple(sorted(options.items())))
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"{launcher}-{nproc}") / "run"
+            log = run_cli(model_dir, dataset_file, out, nproc, launcher, **options)
+            assert log.count(f"trained {STEPS} steps") == 1, log  # rank 0 alone reports
+            runs[key] = out
+        return runs[key]
+
+    return run
+
+
 # grpo with 2 micro-batches per step: DDP accumulates the first under no_sync and all-reduces once, at the second
-@pytest.mark.parametrize(("loss_type", "accumulation"), [("grpo", 2), ("dapo", 1)])
-def test_two_processes_train_the_adapter_of_one(model_dir, dataset_file, tmp_path, loss_type, accumulation):
-    options = {"loss_type": loss_type, "gradient_accumulation_steps": accumulation}
-    one = run_cli(model_dir, dataset_file, tmp_path / "one", 1, **options)
-    two = run_cli(model_dir, dataset_file, tmp_path / "two", 2, **options)
-    assert one.count("trained 3 steps") == 1
-    assert two.count("trained 3 steps") == 1, two  # rank 0 alone reports
+@pytest.mark.parametrize(
+    "options",
+    [GRPO, {"loss_type": "dapo", "gradient_accumulation_steps": 1}],
+    ids=lambda o: f"{o['loss_type']}-{o['gradient_accumulation_steps']}",
+)
+def test_two_processes_train_the_adapter_of_one(trained, options):
+    one, two = trained(1, **options), trained(2, **options)
 
     # rank 0 alone writes: one record per step (not one per rank), the same files and checkpoints as one process
-    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    m1, m2 = metrics(one), metrics(two)
     assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
-    assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
-    assert [p.name for p in list_checkpoints(tmp_path / "two")] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert sorted(os.listdir(two)) == sorted(os.listdir(one))
+    assert [p.name for p in list_checkpoints(two)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
 
     for x, y in zip(m1, m2):
         # the same completions, hence the same rewards, whichever rank sampled them
@@ -133,10 +159,10 @@ def test_two_processes_train_the_adapter_of_one(model_dir, dataset_file, tmp_pat
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
 
-    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    a, b = adapter(one), adapter(two)
     assert a.keys() == b.keys()
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    print(f"{loss_type}: max |adapter(1 proc) - adapter(2 procs)| = {diff:.3e}")
+    print(f"{options['loss_type']}: max |adapter(1 proc) - adapter(2 procs)| = {diff:.3e}")
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5) for k in a), diff
     assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a)  # training did move the adapter
 
@@ -146,33 +172,99 @@ def test_prompts_per_step_must_divide_among_the_processes(model_dir, dataset_fil
         run_cli(model_dir, dataset_file, tmp_path / "odd", 2, prompts_per_step=3)
 
 
-def test_accelerate_launch_and_a_resumed_torchrun_run_train_the_same_adapter(model_dir, dataset_file, tmp_path):
-    """`accelerate launch` runs the same data-parallel job as torchrun; and a 2-process run resumed from its step-2
-    checkpoint (the step-3 checkpoint, the adapter and the last record gone, as after a kill) retrains step 3 to the
-    same adapter. Both are the same 2 processes doing the same float operations in the same order as the
-    uninterrupted torchrun run, so both are compared bit for bit."""
-    run_cli(model_dir, dataset_file, tmp_path / "torchrun", 2)
-    reference = adapter(tmp_path / "torchrun")
+def test_accelerate_launch_trains_the_adapter_of_torchrun(trained):
+    """`accelerate launch --multi_gpu --num_processes 2` (accelerate's torchrun launcher; on a CPU it starts gloo
+    processes, where `--cpu` would start one process) runs the same data-parallel job as torchrun: the same 2
+    processes doing the same float operations in the same order, so the adapters are compared bit for bit. A launch
+    that fell back to 2 independent single-process runs would report twice and train the 1-process adapter."""
+    reference, launched = trained(2, **GRPO), trained(2, "accelerate", **GRPO)
+    a, b = adapter(reference), adapter(launched)
+    assert a.keys() == b.keys()
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"max |adapter(accelerate, 2 procs) - adapter(torchrun, 2 procs)| = {diff:.3e}")
+    assert all(torch.equal(a[k], b[k]) for k in a), diff
+    assert metrics(launched) == metrics(reference)
 
-    out = run_cli(model_dir, dataset_file, tmp_path / "accelerate", 2, launcher="accelerate")
-    assert out.count("trained 3 steps") == 1, out  # rank 0 alone reports
-    launched = adapter(tmp_path / "accelerate")
-    assert launched.keys() == reference.keys()
-    assert all(torch.equal(launched[k], reference[k]) for k in reference)
-    assert metrics(tmp_path / "accelerate") == metrics(tmp_path / "torchrun")
 
+def test_a_resumed_two_process_run_trains_the_uninterrupted_adapter(trained, model_dir, dataset_file, tmp_path):
+    """A finished 2-process torchrun run, cut back to its step-2 checkpoint as a kill during step 3 leaves it (the
+    step-3 checkpoint, the adapter and the last record gone), is resumed by the same torchrun command with --resume.
+    Every rank loads the one checkpoint (adapter, Adam moments, scheduler) before DDP wraps the model, and the step-3
+    completions come from per-completion seeds, not from RNG state, so step 3 repeats the uninterrupted run's float
+    operations exactly: the adapter is compared bit for bit."""
+    reference = trained(2, **GRPO)
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "torchrun", resumed)
+    shutil.copytree(reference, resumed)
     shutil.rmtree(resumed / "checkpoint-3")
     shutil.rmtree(resumed / "adapter")
     records = (resumed / "metrics.jsonl").read_text().splitlines()
     (resumed / "metrics.jsonl").write_text("\n".join(records[:-1]) + "\n")
-    out = run_cli(model_dir, dataset_file, resumed, 2, resume=True)
-    assert out.count("trained 3 steps") == 1, out
-    again = adapter(resumed)
-    diff = max((again[k] - reference[k]).abs().max().item() for k in reference)
-    print(f"max |resumed - uninterrupted| = {diff:.3e}")
-    assert all(torch.equal(again[k], reference[k]) for k in reference), diff
-    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3]
-    assert metrics(resumed) == metrics(tmp_path / "torchrun")
+
+    out = run_cli(model_dir, dataset_file, resumed, 2, resume=True, **GRPO)
+    assert out.count(f"trained {STEPS} steps") == 1, out
+    a, b = adapter(reference), adapter(resumed)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"max |adapter(resumed) - adapter(uninterrupted)| = {diff:.3e}")
+    assert all(torch.equal(a[k], b[k]) for k in a), diff
+    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3]  # one record per step, not one per rank or attempt
+    assert metrics(resumed) == metrics(reference)
     assert [p.name for p in list_checkpoints(resumed)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def _counting_allreduce(state: dict, bucket):
+    # DDP calls the hook once per gradient bucket of every synchronizing backward; bucket 0 counts the backwards
+    state["all_reduces"] += bucket.index() == 0
+    return allreduce_hook(None, bucket)
+
+
+def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir: Path, dataset_file: Path) -> None:
+    """One rank of a 2-process `train` (a group the caller initialized, as under accelerate's Accelerator): records
+    which model every `completion_logits` call got, with or without autograd, and DDP's gradient all-reduces."""
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ["HF_DATASETS_CACHE"] = str(out_dir.parent / f"datasets-cache-{rank}")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    calls, comm = [], {"all_reduces": 0}
+    real = loop.completion_logits
+
+    def recording(model, *args, **kwargs):
+        if isinstance(model, DistributedDataParallel) and "hooked" not in comm:  # once: DDP takes one hook
+            model.register_comm_hook(comm, _counting_allreduce)
+            comm["hooked"] = True
+        calls.append([torch.is_grad_enabled(), type(model).__name__])
+        return real(model, *args, **kwargs)
+
+    loop.completion_logits = recording
+    try:
+        cfg = tiny_config(
+            model_dir,
+            dataset_file,
+            out_dir,
+            device="cpu",
+            max_steps=1,
+            num_iterations=2,
+            gradient_accumulation_steps=2,
+            beta=0.1,
+            reward_funcs="tests.trainer.helpers:digit_reward",
+        )
+        result = train(cfg)
+        lora = {k: v.tolist() for k, v in result.model.named_parameters() if v.requires_grad}
+        (out_dir.parent / f"rank{rank}.json").write_text(json.dumps({"calls": calls, **comm, "lora": lora}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_policy_update_runs_through_ddp_with_one_all_reduce_per_optimizer_step(model_dir, dataset_file, tmp_path):
+    """Under 2 processes every forward with autograd (the policy update) goes through DistributedDataParallel and
+    every forward without (old and reference log-probs) through the unwrapped peft model; of the 2 micro-batch
+    backwards of each of the 2 optimizer steps only the last all-reduces (no_sync), and the ranks end with the same
+    adapter. Dropping no_sync doubles the all-reduces (the adapter would not change: averaging is linear), which no
+    adapter comparison can see."""
+    mp.spawn(_record_forwards, args=(2, free_port(), tmp_path / "run", model_dir, dataset_file), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rec in ranks:
+        update = [name for grad, name in rec["calls"] if grad]
+        logp = [name for grad, name in rec["calls"] if not grad]
+        assert update == ["DistributedDataParallel"] * 4, rec["calls"]  # 2 optimizer steps x 2 micro-batches
+        assert logp == ["PeftModelForCausalLM"] * 4, rec["calls"]  # old and ref log-probs, 2 micro-batches each
+        assert rec["all_reduces"] == 2
+    assert ranks[0]["lora"] == ranks[1]["lora"]
