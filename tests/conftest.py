@@ -9,6 +9,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run ("ci", the default), so a test suite that passed once passes
+# again and CI cannot fail on a draw nobody saw. To search for new counterexamples, run them with
+# HYPOTHESIS_PROFILE=explore (new random draws on each run).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ON_GPU = torch.cuda.is_available()
 HAS_TRITON_DEVICE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
