@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .config import BACKENDS, OPTION_DEFAULTS, LossConfig
-from .distributed import check_group, default_data_group
+from .distributed import check_group, resolve_data_group
 from .vocab_parallel import ShardBackend, shard_offset
 from .compile_op import flat_numbers, row_stats_op, traced_config, validate_config
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
@@ -316,7 +316,7 @@ def grpo_loss(
         if vocab_parallel_group is not None:
             raise ValueError("vocab_parallel_group is not supported under torch.compile; call grpo_loss eagerly")
         tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
-        data_group = default_data_group() if data_parallel_group is None else data_parallel_group
+        data_group = resolve_data_group(data_parallel_group, None)
         return _compiled_grpo_loss(logits, completion_ids, tensors, inplace_backward, backend, options, data_group)
     unknown = set(options) - OPTION_DEFAULTS.keys()
     if unknown:
@@ -329,13 +329,11 @@ def grpo_loss(
     logits = _check_logits(logits)
     batch, length, _ = logits.shape
     ids = _check_ids(completion_ids, batch, length, logits.device)
-    if vocab_parallel_group is None:
-        data_group = default_data_group() if data_parallel_group is None else data_parallel_group
-        rows = _backend(backend, logits.device)
-    else:
+    rows = _backend(backend, logits.device)
+    if vocab_parallel_group is not None:
         offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group, logits.device)
-        shard_rows = _backend(backend, logits.device)
-        rows, data_group = ShardBackend(vocab_parallel_group, offset, vocab, shard_rows), data_parallel_group
+        rows = ShardBackend(vocab_parallel_group, offset, vocab, rows)
+    data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     inp = _token_inputs(
         logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,

@@ -18,6 +18,14 @@ def default_data_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if is_distributed() else None
 
 
+def resolve_data_group(data_parallel_group: object, vocab_parallel_group: object) -> object:
+    """The group the loss's cross-rank defaults span: the one given; else, without a vocabulary group, the default
+    process group when torch.distributed is initialized; with one, none (its ranks hold the same sequences)."""
+    if data_parallel_group is not None:
+        return data_parallel_group
+    return default_data_group() if vocab_parallel_group is None else None
+
+
 def check_group(name: str, group: object) -> None:
     """A process-group argument must be None or a ProcessGroup of an initialized torch.distributed."""
     if group is None:
@@ -75,5 +83,8 @@ def gather_sharded(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """Where a small bookkeeping collective over `group` runs: NCCL takes CUDA tensors only, gloo takes CPU ones."""
-    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    """Where a small bookkeeping collective over `group` (None: the default group) runs for a tensor on `device`:
+    NCCL takes CUDA tensors only (a CPU one moves to the current CUDA device), gloo takes CPU ones."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())

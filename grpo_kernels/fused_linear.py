@@ -14,7 +14,7 @@ import torch
 
 from .api import LOGITS_DTYPES, GRPOOutput, _backend, _check_ids, _token_inputs, check_ids_range
 from .config import LossConfig
-from .distributed import check_group, default_data_group, gather_sharded
+from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import TokenInputs, grpo_objective
 from .vocab_parallel import LinearShard, shard_offset
 
@@ -183,12 +183,11 @@ def fused_linear_grpo_loss(
     batch, length, _ = hidden.shape
     ids = _check_ids(completion_ids, batch, length, hidden.device)
     rows: Any = _linear_backend(backend, hidden.device)
-    if vocab_parallel_group is None:
-        vocab = weight.shape[0]
-        data_group = default_data_group() if data_parallel_group is None else data_parallel_group
-    else:
-        offset, vocab = shard_offset(weight.shape[0], vocab_parallel_group, hidden.device)
-        rows, data_group = LinearShard(rows, vocab_parallel_group, offset), data_parallel_group
+    vocab = weight.shape[0]
+    if vocab_parallel_group is not None:
+        offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
+        rows = LinearShard(rows, vocab_parallel_group, offset)
+    data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     check_ids_range(ids, vocab)
     inp: TokenInputs = _token_inputs(
         hidden, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,

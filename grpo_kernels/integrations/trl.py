@@ -174,7 +174,7 @@ def _fused_linear_head(self: GRPOTrainer, model: torch.nn.Module) -> tuple[torch
     if not weight.is_floating_point() or weight.is_meta or weight.dim() != 2:
         raise _refuse(
             f"the lm_head weight is not a plain floating-point matrix on a device ({type(weight).__name__}, "
-            f"{weight.dtype}, {weight.device}): quantized, offloaded and sharded heads are not supported"
+            f"{weight.dtype}, {weight.device}): quantized and offloaded heads are not supported"
         )
     return head, linear
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import group_advantages, grpo_loss, selective_log_softmax
+from ..distributed import comm_device
 from ..rewards import RewardFunc, combine_rewards, get_reward_funcs, reward_name
 from .checkpoint import latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint
 from .config import TrainConfig
@@ -112,18 +113,11 @@ def init_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), owns_group=True)
 
 
-def _comm_device(x: torch.Tensor) -> torch.device:
-    """Where a collective can take x: NCCL takes CUDA tensors only (the rewards and counts live on the CPU)."""
-    if dist.get_backend() == "nccl" and x.device.type != "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return x.device
-
-
 def gather_cat(x: torch.Tensor, ctx: Dist) -> torch.Tensor:
     """The ranks' equally shaped tensors concatenated along dim 0 in rank order (x itself when single-process)."""
     if not ctx.active:
         return x
-    y = x.contiguous().to(_comm_device(x))
+    y = x.contiguous().to(comm_device(None, x.device))
     parts = [torch.empty_like(y) for _ in range(ctx.world)]
     dist.all_gather(parts, y)
     return torch.cat(parts).to(x.device)
@@ -133,7 +127,7 @@ def all_reduce_(x: torch.Tensor, ctx: Dist, op: Any = None) -> torch.Tensor:
     """x reduced over the ranks (sum unless `op`), in place where the backend allows; x when single-process."""
     if not ctx.active:
         return x
-    y = x.to(_comm_device(x))
+    y = x.to(comm_device(None, x.device))
     dist.all_reduce(y, op=dist.ReduceOp.SUM if op is None else op)
     return y.to(x.device)
 

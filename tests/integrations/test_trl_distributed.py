@@ -10,18 +10,12 @@ tests/integrations/test_trl_parity.py does in one process.
 from __future__ import annotations
 
 import functools
-import os
-import socket
-import tempfile
-import traceback
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("trl")
 
-from . import save_tiny_model
+from . import run_ranks, save_tiny_model
 
 WORLD = 2
 CASES = [
@@ -32,55 +26,34 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _check_rank(rank: int, model_dir: str, out: str) -> list[str]:
+    import torch.distributed as dist
+    from trl import GRPOTrainer
 
+    from grpo_kernels.integrations.trl import FusedGRPOTrainer
 
-def _rank_main(rank: int, model_dir: str, port: int, results: str) -> None:
-    # the variables torchrun / accelerate launch set; accelerate then joins a gloo group on CPU
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    torch.set_num_threads(1)
+    from .test_trl_parity import assert_same, loss_grads_metrics, make_inputs, make_trainer
+
     verdicts = []
-    try:
-        import torch.distributed as dist
-        from trl import GRPOTrainer
-
-        from grpo_kernels.integrations.trl import FusedGRPOTrainer
-
-        from .test_trl_parity import assert_same, loss_grads_metrics, make_inputs, make_trainer
-
-        for options in CASES:
-            out = os.path.join(results, f"out{rank}")
-            fused_linear = functools.partial(FusedGRPOTrainer, use_fused_linear=True)
-            classes = (GRPOTrainer, FusedGRPOTrainer, fused_linear)
-            trainers = [make_trainer(cls, model_dir, out, **options) for cls in classes]
-            assert dist.is_initialized() and dist.get_world_size() == WORLD, "the trainers did not go distributed"
-            for trainer in trainers:
-                trainer.model.train()
-            batch = make_inputs(trainers[0], seed=rank)  # each rank its own micro-batch
-            reference = loss_grads_metrics(trainers[0], batch)
-            for mode, trainer in zip(("logits", "fused-linear"), trainers[1:]):
-                try:
-                    assert_same(reference, loss_grads_metrics(trainer, batch))
-                    verdicts.append("ok")
-                except AssertionError as err:
-                    verdicts.append(f"{mode} {options}: {err}")
-    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        verdicts.append(traceback.format_exc())
-    torch.save(verdicts, os.path.join(results, f"rank{rank}.pt"))
+    for options in CASES:
+        fused_linear = functools.partial(FusedGRPOTrainer, use_fused_linear=True)
+        classes = (GRPOTrainer, FusedGRPOTrainer, fused_linear)
+        trainers = [make_trainer(cls, model_dir, out, **options) for cls in classes]
+        assert dist.is_initialized() and dist.get_world_size() == WORLD, "the trainers did not go distributed"
+        for trainer in trainers:
+            trainer.model.train()
+        batch = make_inputs(trainers[0], seed=rank)  # each rank its own micro-batch
+        reference = loss_grads_metrics(trainers[0], batch)
+        for mode, trainer in zip(("logits", "fused-linear"), trainers[1:]):
+            try:
+                assert_same(reference, loss_grads_metrics(trainer, batch))
+                verdicts.append("ok")
+            except AssertionError as err:
+                verdicts.append(f"{mode} {options}: {err}")
+    return verdicts
 
 
 def test_two_processes_match_trl(tmp_path_factory):
-    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_dp")))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _rank_main, args=(model_dir, _free_port(), tmp), nprocs=WORLD, join=True, start_method="spawn"
-        )
-        verdicts = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
-    for rank, per_case in enumerate(verdicts):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_dp"))
+    for rank, per_case in enumerate(run_ranks(_check_rank, model_dir, WORLD)):
         assert per_case == ["ok"] * (2 * len(CASES)), f"rank {rank}: {per_case}"

@@ -8,27 +8,16 @@ TRL's unsharded gradients, which is what FSDP's averaging makes of them.
 from __future__ import annotations
 
 import functools
-import os
-import socket
-import tempfile
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("trl")
 
-from . import save_tiny_model
+from . import run_ranks, save_tiny_model
 
 WORLD = 2
 CASES = [{"loss_type": "dapo", "beta": 0.05}, {"loss_type": "grpo", "top_entropy_quantile": 0.5}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shard(model: torch.nn.Module) -> None:
@@ -51,61 +40,47 @@ def _loss_and_grads(trainer, batch):
     return loss.detach(), {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _rank_main(rank: int, model_dir: str, port: int, results: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    torch.set_num_threads(1)
+def _check_rank(rank: int, model_dir: str, out: str) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from trl import GRPOTrainer
+
+    from grpo_kernels.integrations.trl import FusedGRPOTrainer
+
+    from .test_trl_parity import make_inputs, make_trainer
+
     verdicts = []
-    try:
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-        from trl import GRPOTrainer
-
-        from grpo_kernels.integrations.trl import FusedGRPOTrainer
-
-        from .test_trl_parity import make_inputs, make_trainer
-
-        for options in CASES:
-            out = os.path.join(results, f"out{rank}")
-            classes = (GRPOTrainer, functools.partial(FusedGRPOTrainer, use_fused_linear=True))
-            trainers = [make_trainer(cls, model_dir, out, **options) for cls in classes]
-            batch = make_inputs(trainers[0], seed=rank)  # before sharding: TRL's own log-probs, each rank its own
-            for trainer in trainers[1:]:
-                _shard(trainer.model)
-            for trainer in trainers:
-                trainer.model.train()
-            # The expected gradient: TRL on the unsharded model, averaged over the ranks as FSDP averages
-            ref_loss, ref_grads = _loss_and_grads(trainers[0], batch)
-            for g in ref_grads.values():
-                dist.all_reduce(g)
-                g /= WORLD
-            assert isinstance(trainers[1].model.lm_head.weight, DTensor), "the head must be sharded when read"
-            loss, grads = _loss_and_grads(trainers[1], batch)
-            try:
-                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
-                assert grads.keys() == ref_grads.keys()
-                worst = 0.0
-                for name, ref in ref_grads.items():
-                    err = (grads[name] - ref).abs().max().item() / ref.abs().max().item()
-                    assert err <= 1e-4, f"grad of {name}: max error {err:.3g} of the max"
-                    worst = max(worst, err)
-                verdicts.append("ok")
-                print(f"rank {rank} {options}: worst gradient error {worst:.1e} of the max")
-            except AssertionError as err:
-                verdicts.append(f"{options}: {err}")
-    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        verdicts.append(traceback.format_exc())
-    torch.save(verdicts, os.path.join(results, f"rank{rank}.pt"))
+    for options in CASES:
+        classes = (GRPOTrainer, functools.partial(FusedGRPOTrainer, use_fused_linear=True))
+        trainers = [make_trainer(cls, model_dir, out, **options) for cls in classes]
+        batch = make_inputs(trainers[0], seed=rank)  # before sharding: TRL's own log-probs, each rank its own
+        for trainer in trainers[1:]:
+            _shard(trainer.model)
+        for trainer in trainers:
+            trainer.model.train()
+        # The expected gradient: TRL on the unsharded model, averaged over the ranks as FSDP averages
+        ref_loss, ref_grads = _loss_and_grads(trainers[0], batch)
+        for g in ref_grads.values():
+            dist.all_reduce(g)
+            g /= WORLD
+        assert isinstance(trainers[1].model.lm_head.weight, DTensor), "the head must be sharded when read"
+        loss, grads = _loss_and_grads(trainers[1], batch)
+        try:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+            assert grads.keys() == ref_grads.keys()
+            worst = 0.0
+            for name, ref in ref_grads.items():
+                err = (grads[name] - ref).abs().max().item() / ref.abs().max().item()
+                assert err <= 1e-4, f"grad of {name}: max error {err:.3g} of the max"
+                worst = max(worst, err)
+            verdicts.append("ok")
+            print(f"rank {rank} {options}: worst gradient error {worst:.1e} of the max")
+        except AssertionError as err:
+            verdicts.append(f"{options}: {err}")
+    return verdicts
 
 
 def test_fused_linear_on_an_fsdp2_sharded_model_matches_trl(tmp_path_factory):
-    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_fsdp")))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _rank_main, args=(model_dir, _free_port(), tmp), nprocs=WORLD, join=True, start_method="spawn"
-        )
-        verdicts = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
-    for rank, per_case in enumerate(verdicts):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_fsdp"))
+    for rank, per_case in enumerate(run_ranks(_check_rank, model_dir, WORLD)):
         assert per_case == ["ok"] * len(CASES), f"rank {rank}: {per_case}"
