@@ -1,25 +1,25 @@
-"""The public entry points: `grpo_loss`, `GRPOLoss`, `selective_log_softmax`, with validation at the boundary.
+"""The public entry points: `grpo_loss`, `GRPOLoss`, `selective_log_softmax`.
 
-A call flows: validate -> `LossConfig` + `TokenInputs` -> `_GRPOLossFunction` -> a row backend (Triton on CUDA,
-chunked torch elsewhere). The gradient is computed in the forward, while the row is hot; backward only scales it.
+A call flows (docs/architecture.md draws it): validate once -> `LossConfig` + `TokenInputs` + aggregation weights
+-> `_GRPOLossFunction` -> a `RowBackend` from `dispatch.pick_backend` (Triton on CUDA, chunked torch elsewhere).
+The gradient is computed in the forward, while the row is hot; backward only scales it.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from types import ModuleType
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from .config import BACKENDS, OPTION_DEFAULTS, LossConfig
+from .compile_op import compiled_grpo_loss
+from .config import LossConfig, make_config
+from .dispatch import pick_backend
 from .distributed import check_group, resolve_data_group
-from .vocab_parallel import ShardBackend, shard_offset
-from .compile_op import flat_numbers, row_stats_op, traced_config, validate_config
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
-
-LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .ops.rows import RowBackend
+from .validation import check_ids, check_ids_range, check_logits, token_inputs
+from .vocab_parallel import ShardBackend, shard_offset
 
 
 @dataclass
@@ -33,147 +33,41 @@ class GRPOOutput:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Validation
-
-
-def _check_tensor(name: str, x: Any, shapes: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if tuple(x.shape) not in shapes:
-        expected = " or ".join(str(s) for s in shapes)
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} must be on the logits' device {device}, got {x.device}")
-    return x
-
-
-def _check_float(name: str, x: torch.Tensor) -> torch.Tensor:
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    return x.detach().double()
-
-
-def _check_logits(logits: Any) -> torch.Tensor:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be 3-D (B, T, V), got {logits.dim()}-D with shape {tuple(logits.shape)}")
-    if logits.dtype not in LOGITS_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-    if min(logits.shape) == 0:
-        raise ValueError(f"logits must have B, T, V >= 1, got shape {tuple(logits.shape)}")
-    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
-        raise ValueError(
-            f"logits must have a unit stride along the vocabulary (got strides {logits.stride()}); "
-            "batch and time strides may be anything, so slice the time axis rather than transposing the vocabulary"
-        )
-    return logits
-
-
-def _check_ids(ids: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """Shape and dtype; the value range is `check_ids_range`, run where the vocabulary size is known."""
-    ids = _check_tensor("completion_ids", ids, ((batch, length),), device)
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"completion_ids must be int32/int64, got {ids.dtype}")
-    return ids
-
-
-def _token_inputs(
-    logits: torch.Tensor,
-    advantages: Any,
-    completion_mask: Any,
-    old_logp: Any,
-    ref_logp: Any,
-    importance_sampling_ratio: Any,
-    sampling_logp: Any,
-    *,
-    beta: float,
-    data_group: Any = None,
-) -> TokenInputs:
-    batch, length, _ = logits.shape
-    dev = logits.device
-    bt = ((batch, length),)
-    adv = _check_float("advantages", _check_tensor("advantages", advantages, ((batch,), (batch, 1), (batch, length)), dev))
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(1)
-    if completion_mask is None:
-        mask = torch.ones(batch, length, dtype=torch.float64, device=dev)
-    else:
-        mask = _check_tensor("completion_mask", completion_mask, bt, dev).detach().double()
-    optional = {}
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp)):
-        optional[name] = None if x is None else _check_float(name, _check_tensor(name, x, bt, dev))
-    if beta != 0.0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when beta != 0 (beta={beta})")
-    is_ratio = importance_sampling_ratio
-    if is_ratio is not None:
-        shapes = ((batch,), (batch, 1), (batch, length))
-        is_ratio = _check_float("importance_sampling_ratio", _check_tensor("importance_sampling_ratio", is_ratio, shapes, dev))
-        if is_ratio.dim() == 1:
-            is_ratio = is_ratio.unsqueeze(1)
-    return TokenInputs(
-        adv, mask, optional["old_logp"], optional["ref_logp"], is_ratio, optional["sampling_logp"], data_group
-    )
-
-
-def _backend(name: str, device: torch.device) -> ModuleType:
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from .ops import torch_rows
-
-        return torch_rows
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {device.type}); on a CPU it runs only under the Triton "
-            "interpreter (set TRITON_INTERPRET=1 before importing triton), or use backend='torch'"
-        )
-    from .ops import triton_logits
-
-    return triton_logits
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd
-
-
-def check_ids_range(ids: torch.Tensor, vocab: int) -> None:
-    """O(B·T) range check of the ids, no pass over the logits; run eagerly (inside the op under torch.compile)."""
-    lo, hi = torch.aminmax(ids)
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo}, {hi}]")
+# Autograd: everything below trusts its inputs (validated by the public functions)
 
 
 def forward_rows(
     logits: torch.Tensor,
     ids: torch.Tensor,
     cfg: LossConfig,
-    backend: ModuleType,
+    backend: RowBackend,
     inp: TokenInputs,
+    weights: torch.Tensor,
     out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss (float64, detached), ℓ, H and metrics; when `out` is given, ∂loss/∂logits is written into it."""
-    if out is not None and not cfg.is_sequence_level and hasattr(backend, "fused_token_grad"):
+    """Loss (float64, detached), ℓ, H and metrics; when `out` is given, ∂loss/∂logits is written into it.
+
+    `weights`: the aggregation weights of `loss_math.aggregation_weights`, computed once per call by the caller."""
+    fused = backend.fused_token_grad
+    if out is not None and cfg.is_fused and fused is not None:
         # One read of each row: ℓ, H, g and ∂logits in the same pass (token-level options only).
         batch, length = inp.mask.shape
-        logp, entropy = backend.fused_token_grad(
+        logp, entropy = fused(
             logits,
             ids,
             cfg.temperature,
             advantages=inp.advantages.float().expand(batch, length),
             old_logp=None if inp.old_logp is None else inp.old_logp.float(),
-            ref_logp=None if inp.ref_logp is None else inp.ref_logp.float(),
+            # β = 0: no ref, so that an inf there cannot turn into 0·inf in the kernel
+            ref_logp=None if cfg.beta == 0.0 else inp.ref_logp.float(),
             is_ratio=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
-            weight=aggregation_weights(inp.mask, cfg, inp.data_group).float(),
+            weight=weights.float(),
             entropy_weight=entropy_bonus_weights(inp.mask, cfg).float() if cfg.entropy_coef != 0.0 else None,
             cfg=cfg,
             out=out,
         )
         with torch.no_grad():
-            loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
+            loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg, weights)
         return loss, logp, entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
@@ -181,22 +75,21 @@ def forward_rows(
     with torch.enable_grad():
         lp = logp.double().requires_grad_(out is not None)
         ent = entropy.double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
-        loss, metrics = grpo_objective(lp, ent, inp, cfg)
+        loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
     if out is not None:
         grads = torch.autograd.grad(loss, [lp, ent] if ent.requires_grad else [lp])
         h = grads[1].float() if len(grads) > 1 else None
-        backend.row_grad(logits, ids, row_state, entropy, grads[0].float(), h, cfg.temperature, out)
+        backend.row_grad(logits, ids, row_state, grads[0].float(), h, cfg.temperature, out)
     return loss.detach(), logp, entropy, metrics
 
 
 class _GRPOLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, cfg, backend, inp, inplace, ids, metrics_out):  # type: ignore[override]
-        check_ids_range(ids, getattr(backend, "vocab", logits.shape[-1]))  # a vocabulary shard knows the full V
+    def forward(ctx, logits, ids, cfg, backend, inp, weights, inplace, metrics_out):  # type: ignore[override]
         out = None
         if ctx.needs_input_grad[0]:
             out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        loss, logp, entropy, metrics = forward_rows(logits, ids, cfg, backend, inp, out)
+        loss, logp, entropy, metrics = forward_rows(logits, ids, cfg, backend, inp, weights, out)
         metrics_out.update(metrics)
         ctx.grad_logits = out
         ctx.mark_non_differentiable(logp, entropy)
@@ -214,30 +107,29 @@ class _GRPOLossFunction(torch.autograd.Function):
         scale = float(grad_loss)  # one host sync for a scalar; saves a pass over the gradient when it is 1
         if scale != 1.0:
             grad.mul_(scale)  # a Python scalar is applied in fp32 (opmath), not rounded to the gradient's dtype
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, temperature, backend):  # type: ignore[override]
-        check_ids_range(ids, logits.shape[-1])
         logp, entropy, row_state = backend.row_stats(logits, ids, temperature)
-        ctx.save_for_backward(logits, ids, row_state, entropy)
+        ctx.save_for_backward(logits, ids, row_state)
         ctx.temperature, ctx.backend = temperature, backend
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
-        logits, ids, row_state, entropy = ctx.saved_tensors
-        g = torch.zeros_like(entropy) if grad_logp is None else grad_logp.float()
+        logits, ids, row_state = ctx.saved_tensors
+        g = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) if grad_logp is None else grad_logp.float()
         h = None if grad_entropy is None else grad_entropy.float()
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        ctx.backend.row_grad(logits, ids, row_state, entropy, g, h, ctx.temperature, out)
+        ctx.backend.row_grad(logits, ids, row_state, g, h, ctx.temperature, out)
         return out, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Public API
+# Public API: validation happens here, once
 
 
 def selective_log_softmax(
@@ -252,11 +144,13 @@ def selective_log_softmax(
     Returns:
         (logp, entropy), each [B, T] float32, differentiable w.r.t. `logits` through both.
     """
-    logits = _check_logits(logits)
-    batch, length, _ = logits.shape
-    ids = _check_ids(completion_ids, batch, length, logits.device)
+    logits = check_logits(logits)
+    batch, length, vocab = logits.shape
+    ids = check_ids(completion_ids, batch, length, logits.device)
     temperature = LossConfig(temperature=temperature).temperature
-    return _SelectiveLogSoftmax.apply(logits, ids, temperature, _backend(backend, logits.device))
+    rows = pick_backend(logits.device, backend)
+    check_ids_range(ids, vocab)
+    return _SelectiveLogSoftmax.apply(logits, ids, temperature, rows)
 
 
 def grpo_loss(
@@ -273,9 +167,11 @@ def grpo_loss(
     backend: str = "auto",
     vocab_parallel_group: Any = None,
     data_parallel_group: Any = None,
+    config: LossConfig | None = None,
     **options: Any,
 ) -> GRPOOutput:
-    """The GRPO loss family (TRL 1.16 semantics, ../shared/GRPO_SPEC.md) from logits, with its gradient.
+    """The GRPO loss family (TRL 1.16 semantics; the math, every option and the tolerances: docs/loss.md) from
+    logits, with its gradient.
 
     Args:
         logits: [B, T, V] float32/bfloat16/float16, `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
@@ -298,11 +194,12 @@ def grpo_loss(
         data_parallel_group: the group the cross-rank defaults span (dapo-family token count, entropy quantile,
             metrics). Default: the default process group when torch.distributed is initialized and no
             vocab_parallel_group is given; with one, no data-parallel reduction unless this is set.
+        config: a `LossConfig` holding the options below (default: TRL's defaults); `**options` override its fields.
         **options: loss_type ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"), beta,
             epsilon_low, epsilon_high, delta, temperature, importance_sampling_level ("token" | "sequence"),
             use_bias_correction_kl, max_completion_length, num_items_in_batch, sapo_temperature_pos/neg,
             vespo_k_pos/neg, vespo_lambda_pos/neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef
-            (see `LossConfig`; defaults as in TRL's GRPOConfig).
+            (see `LossConfig`; defaults as in TRL's GRPOConfig). Validated once, here, into one `LossConfig`.
     Returns:
         GRPOOutput(loss, logp, entropy, metrics).
 
@@ -315,72 +212,58 @@ def grpo_loss(
     if torch.compiler.is_compiling():
         if vocab_parallel_group is not None:
             raise ValueError("vocab_parallel_group is not supported under torch.compile; call grpo_loss eagerly")
+        if inplace_backward:
+            raise ValueError(
+                "inplace_backward=True is not supported under torch.compile (the op may not mutate its input)"
+            )
         tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
         data_group = resolve_data_group(data_parallel_group, None)
-        return _compiled_grpo_loss(logits, completion_ids, tensors, inplace_backward, backend, options, data_group)
-    unknown = set(options) - OPTION_DEFAULTS.keys()
-    if unknown:
-        raise TypeError(f"grpo_loss got unknown option(s) {sorted(unknown)}")
+        return GRPOOutput(*compiled_grpo_loss(logits, completion_ids, tensors, backend, config, options, data_group))
+    cfg = make_config(config, options)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("data_parallel_group", data_parallel_group)
-    cfg = LossConfig(**options)
-    logits = _check_logits(logits)
-    batch, length, _ = logits.shape
-    ids = _check_ids(completion_ids, batch, length, logits.device)
-    rows = _backend(backend, logits.device)
+    logits = check_logits(logits)
+    batch, length, vocab = logits.shape
+    ids = check_ids(completion_ids, batch, length, logits.device)
+    rows = pick_backend(logits.device, backend)
     if vocab_parallel_group is not None:
-        offset, vocab = shard_offset(logits.shape[-1], vocab_parallel_group, logits.device)
+        offset, vocab = shard_offset(vocab, vocab_parallel_group, logits.device)
         rows = ShardBackend(vocab_parallel_group, offset, vocab, rows)
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
-    inp = _token_inputs(
+    inp = token_inputs(
         logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
-    )
+    )  # fmt: skip
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
+    check_ids_range(ids, vocab)  # the full vocabulary when the logits are a shard
+    weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
     metrics: dict[str, torch.Tensor] = {}
-    loss, logp, entropy = _GRPOLossFunction.apply(logits, cfg, rows, inp, inplace_backward, ids, metrics)
+    loss, logp, entropy = _GRPOLossFunction.apply(logits, ids, cfg, rows, inp, weights, inplace_backward, metrics)
     return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
 
 
-def _compiled_grpo_loss(
-    logits: torch.Tensor,
-    completion_ids: torch.Tensor,
-    tensors: tuple[Any, ...],
-    inplace: bool,
-    backend: str,
-    options: dict[str, Any],
-    data_group: Any,
-) -> GRPOOutput:
-    """grpo_loss as traced by torch.compile: opaque row ops around a traced O(B·T) objective (see compile_op)."""
-    if inplace:
-        raise ValueError("inplace_backward=True is not supported under torch.compile (the op may not mutate its input)")
-    cfg = traced_config(options)
-    validate_config(logits, cfg.loss_type, cfg.importance_sampling_level, flat_numbers(cfg))
-    logits = _check_logits(logits)
-    batch, length, _ = logits.shape
-    ids = _check_ids(completion_ids, batch, length, logits.device)
-    inp = _token_inputs(logits, *tensors, beta=cfg.beta, data_group=data_group)
-    logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
-    loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
-    return GRPOOutput(loss=loss.float(), logp=logp.detach(), entropy=entropy.detach(), metrics=metrics)
-
-
 class GRPOLoss(torch.nn.Module):
-    """`grpo_loss` as a module: options fixed at construction, tensors per call.
+    """`grpo_loss` as a module: options fixed (and validated) at construction, tensors per call.
 
-    >>> loss_fn = GRPOLoss(loss_type="dapo", beta=0.04)
+    >>> loss_fn = GRPOLoss(loss_type="dapo", beta=0.04)      # or GRPOLoss(config=LossConfig(...))
     >>> out = loss_fn(logits, ids, advantages, mask, old_logp, ref_logp)
     """
 
-    def __init__(self, *, inplace_backward: bool = False, backend: str = "auto", **options: Any) -> None:
+    def __init__(
+        self,
+        config: LossConfig | None = None,
+        *,
+        inplace_backward: bool = False,
+        backend: str = "auto",
+        **options: Any,
+    ) -> None:
         super().__init__()
-        self.config = LossConfig(**options)  # validates now, not at the first step
+        self.config = make_config(config, options, "GRPOLoss")  # validates now, not at the first step
         self.inplace_backward = inplace_backward
         self.backend = backend
-        self._options = options
 
     def forward(
         self,
@@ -401,9 +284,11 @@ class GRPOLoss(torch.nn.Module):
             ref_logp,
             inplace_backward=self.inplace_backward,
             backend=self.backend,
-            **self._options,
+            config=self.config,
             **tensors,
         )
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+        default = LossConfig()
+        changed = [f.name for f in fields(LossConfig) if getattr(self.config, f.name) != getattr(default, f.name)]
+        return ", ".join(f"{k}={getattr(self.config, k)!r}" for k in changed)

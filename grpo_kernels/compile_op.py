@@ -1,9 +1,10 @@
 """The row kernels as torch.library custom ops, so a compiled step with grpo_loss in it is one graph.
 
 Eager calls go through the autograd.Function in api.py (the one-read fused path). Under torch.compile, dynamo
-cannot trace the kernels' host code, so grpo_loss calls two opaque ops, `row_stats` (forward) and `row_grad` (its
-backward), and lets dynamo trace the O(B·T) objective between them; AOT autograd differentiates that objective to
-get g and h. This is the two-read schedule of the sequence-level options, for every option.
+cannot trace the kernels' host code, so grpo_loss calls `compiled_grpo_loss`: two opaque ops, `row_stats`
+(forward) and `row_grad` (its backward), with the O(B·T) objective traced between them; AOT autograd
+differentiates that objective to get g and h. This is the two-read schedule of the sequence-level options, for
+every option. Imports api's helpers, never api itself (api imports this module).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from typing import Any
 
 import torch
 
-from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, STRING_OPTIONS, config_from_flat
+from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
+from .dispatch import pick_backend
+from .loss_math import grpo_objective
+from .ops.rows import RowBackend, empty_row_state
+from .validation import check_ids, check_ids_range, check_logits, token_inputs
 
 
-def _rows(backend: str, device: torch.device):
-    from .api import _backend
-
-    return _backend(backend, device)
+def _rows(backend: str, device: torch.device) -> RowBackend:
+    return pick_backend(device, backend)
 
 
 @torch.library.custom_op("grpo_kernels::row_stats", mutates_args=())
@@ -28,8 +31,6 @@ def row_stats_op(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, row_state) from one read of the logits."""
-    from .api import check_ids_range
-
     check_ids_range(ids, logits.shape[-1])
     return _rows(backend, logits.device).row_stats(logits, ids, temperature)
 
@@ -38,7 +39,7 @@ def row_stats_op(
 def _(logits, ids, temperature, backend):
     batch, length, _ = logits.shape
     stats = logits.new_empty((batch, length), dtype=torch.float32)
-    return stats, torch.empty_like(stats), _rows(backend, logits.device).empty_row_state(batch, length, logits.device)
+    return stats, torch.empty_like(stats), empty_row_state(batch, length, logits.device)
 
 
 @torch.library.custom_op("grpo_kernels::row_grad", mutates_args=())
@@ -46,7 +47,6 @@ def row_grad_op(
     logits: torch.Tensor,
     ids: torch.Tensor,
     row_state: torch.Tensor,
-    entropy: torch.Tensor,
     g: torch.Tensor,
     h: torch.Tensor | None,
     temperature: float,
@@ -55,25 +55,25 @@ def row_grad_op(
     """∂/∂logits of Σ g·ℓ + Σ h·H, in the logits' dtype."""
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     h = None if h is None else h.float().contiguous()
-    _rows(backend, logits.device).row_grad(logits, ids, row_state, entropy, g.float().contiguous(), h, temperature, out)
+    _rows(backend, logits.device).row_grad(logits, ids, row_state, g.float().contiguous(), h, temperature, out)
     return out
 
 
 @row_grad_op.register_fake
-def _(logits, ids, row_state, entropy, g, h, temperature, backend):
+def _(logits, ids, row_state, g, h, temperature, backend):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     logits, ids, temperature, backend = inputs
-    ctx.save_for_backward(logits, ids, output[2], output[1])
+    ctx.save_for_backward(logits, ids, output[2])
     ctx.temperature, ctx.backend = temperature, backend
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_state):
-    logits, ids, row_state, entropy = ctx.saved_tensors
-    g = torch.zeros_like(entropy) if grad_logp is None else grad_logp
-    grad = row_grad_op(logits, ids, row_state, entropy, g, grad_entropy, ctx.temperature, ctx.backend)
+    logits, ids, row_state = ctx.saved_tensors
+    g = row_state.new_zeros(ids.shape) if grad_logp is None else grad_logp
+    grad = row_grad_op(logits, ids, row_state, g, grad_entropy, ctx.temperature, ctx.backend)
     return grad, None, None, None
 
 
@@ -84,12 +84,11 @@ row_stats_op.register_autograd(_backward, setup_context=_setup_context)
 TracedConfig = namedtuple("TracedConfig", list(OPTION_DEFAULTS))
 
 
-def traced_config(options: dict[str, Any]) -> TracedConfig:
-    """The options as dynamo can trace them (plain attributes); validated by `validate_config` in the graph."""
-    unknown = [k for k in options if k not in OPTION_DEFAULTS]
-    if unknown:
-        raise TypeError(f"grpo_loss got unknown option(s) {sorted(unknown)}")
-    values = dict(OPTION_DEFAULTS)
+def traced_config(options: dict[str, Any], config: LossConfig | None = None) -> TracedConfig:
+    """The options (over `config`'s fields, or the defaults) as dynamo can trace them (plain attributes);
+    validated by `validate_config` in the graph."""
+    check_option_names(options)
+    values = dict(OPTION_DEFAULTS) if config is None else {name: getattr(config, name) for name in OPTION_DEFAULTS}
     values.update(options)
     if values["epsilon_high"] is None:
         values["epsilon_high"] = values["epsilon_low"]
@@ -117,4 +116,23 @@ def flat_numbers(cfg: TracedConfig) -> list[float]:
     return numbers
 
 
-__all__ = ["row_stats_op", "row_grad_op", "traced_config", "validate_config", "flat_numbers", "STRING_OPTIONS"]
+def compiled_grpo_loss(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    tensors: tuple[Any, ...],
+    backend: str,
+    config: LossConfig | None,
+    options: dict[str, Any],
+    data_group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """grpo_loss as traced by torch.compile: (loss, logp, entropy, metrics), opaque row ops around a traced
+    O(B·T) objective. Validation is the same as eager (`validate_config` runs LossConfig's checks)."""
+    cfg = traced_config(options, config)
+    validate_config(logits, cfg.loss_type, cfg.importance_sampling_level, flat_numbers(cfg))
+    logits = check_logits(logits)
+    batch, length, _ = logits.shape
+    ids = check_ids(completion_ids, batch, length, logits.device)
+    inp = token_inputs(logits, *tensors, beta=cfg.beta, data_group=data_group)
+    logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
+    loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
+    return loss.float(), logp.detach(), entropy.detach(), metrics

@@ -1,34 +1,41 @@
 """The frozen option set of the GRPO loss family, validated once at the public boundary.
 
-Every backend (Triton, the chunked torch path) and the autograd Function take one `LossConfig` instead of
-two dozen positional arguments. The semantics are those of ../shared/GRPO_SPEC.md (TRL 1.16).
+`make_config` turns a call's options into one `LossConfig`; everything below the public functions trusts it. The
+loss-type families are defined here and nowhere else. What each option means: docs/loss.md (TRL 1.16 semantics).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # -min(r A, clip(r) A)
+# Normalized by the (global) active-token count N over the world size P: Σ m L / (max(N, 1) / P).
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+# Whose per-token loss the one-read fused kernel can form in registers (no sequence-level quantity).
+FUSED_LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo")
 IS_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "torch")
 
 
-def _check_finite_number(name: str, value: object, *, positive: bool = False, allow_zero: bool = True) -> float:
+def _check_finite_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
-    if positive and (value < 0 or (value == 0 and not allow_zero)):
-        raise ValueError(f"{name} must be > 0, got {value}" if not allow_zero else f"{name} must be >= 0, got {value}")
     return value
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Scalar options of `grpo_loss`; see its docstring for each one."""
+    """Scalar options of `grpo_loss` (defaults as TRL's GRPOConfig); docs/loss.md says what each one does.
+
+    Constructing one validates it (TypeError/ValueError naming the option); the instance is frozen and trusted by
+    every layer below the public functions.
+    """
 
     loss_type: str = "grpo"
     beta: float = 0.0
@@ -110,9 +117,32 @@ class LossConfig:
             or self.top_entropy_quantile < 1.0
         )
 
+    @property
+    def is_fused(self) -> bool:
+        """True when the one-read fused pass can form this loss's gradient in registers."""
+        return not self.is_sequence_level and self.loss_type in FUSED_LOSS_TYPES
+
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def check_option_names(options: dict[str, Any], where: str = "grpo_loss") -> None:
+    """TypeError for any option that is not a `LossConfig` field."""
+    unknown = set(options) - OPTION_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"{where} got unknown option(s) {sorted(unknown)}")
+
+
+def make_config(config: LossConfig | None, options: dict[str, Any], where: str = "grpo_loss") -> LossConfig:
+    """The one validated `LossConfig` of a call: `config` (default: all defaults) with `options` overriding its
+    fields. Raises TypeError/ValueError naming the option."""
+    check_option_names(options, where)
+    if config is None:
+        return LossConfig(**options)
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig or None, got {type(config).__name__}")
+    return replace(config, **options) if options else config
 
 
 # Flat forms of the options for the torch.library op (a custom op takes primitives, not a dataclass), computed at

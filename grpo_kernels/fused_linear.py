@@ -1,21 +1,23 @@
 """`fused_linear_grpo_loss`: the GRPO loss straight from hidden states and the lm_head weight, logits never stored.
 
-A call flows: validate (the same helpers as `grpo_loss`) -> pass 1 over vocabulary tiles gives ℓ, H, lse per token
+A call flows: validate once (the same checks as `grpo_loss`, validation.py) -> pass 1 over vocabulary tiles gives ℓ, H, lse per token
 -> the float64 objective gives g = ∂loss/∂ℓ, h = ∂loss/∂H -> pass 2 recomputes the tiles and accumulates ∂hidden,
 ∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from .api import LOGITS_DTYPES, GRPOOutput, _backend, _check_ids, _token_inputs, check_ids_range
-from .config import LossConfig
+from .api import GRPOOutput
+from .config import LossConfig, make_config
+from .dispatch import pick_linear_backend
 from .distributed import check_group, gather_sharded, resolve_data_group
-from .loss_math import TokenInputs, grpo_objective
+from .loss_math import TokenInputs, aggregation_weights, grpo_objective
+from .ops.rows import LinearBackend
+from .validation import LOGITS_DTYPES, check_ids, check_ids_range, token_inputs
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -62,22 +64,9 @@ def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
             raise ValueError(f"bias must be on hidden's device {hidden.device}, got {bias.device}")
 
 
-def _linear_backend(name: str, device: torch.device) -> ModuleType:
-    """The fused-linear twin of the logits backend `grpo_loss` would pick (same names, same device rules)."""
-    from .ops import torch_rows
-
-    if _backend(name, device) is torch_rows:
-        from .ops import linear_torch
-
-        return linear_torch
-    from .ops import linear_triton
-
-    return linear_triton
-
-
 class _FusedLinearGRPOFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, cfg, backend, inp, ids, metrics_out):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, cfg, backend, inp, weights, ids, metrics_out):  # type: ignore[override]
         needs = tuple(ctx.needs_input_grad[:3])
         # The tiles' precision is fixed here (fp32 logits, fp32 accumulation), not by an enclosing autocast.
         with torch.autocast(hidden.device.type, enabled=False):
@@ -85,7 +74,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
             with torch.enable_grad():
                 lp = logp.double().requires_grad_(any(needs))
                 ent = entropy.double().requires_grad_(any(needs) and cfg.entropy_coef != 0.0)
-                loss, metrics = grpo_objective(lp, ent, inp, cfg)
+                loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
             grads: tuple[torch.Tensor | None, ...] = (None, None, None)
             if any(needs):
                 wrt = [lp] + ([ent] if ent.requires_grad else [])
@@ -110,7 +99,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         scale = float(grad_loss)  # applied in fp32 (opmath), not rounded to the gradients' dtype first
         if scale != 1.0:
             grads = tuple(None if x is None else x.mul_(scale) for x in grads)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def fused_linear_grpo_loss(
@@ -128,9 +117,10 @@ def fused_linear_grpo_loss(
     backend: str = "auto",
     vocab_parallel_group: Any = None,
     data_parallel_group: Any = None,
+    config: LossConfig | None = None,
     **options: Any,
 ) -> GRPOOutput:
-    """The GRPO loss family of `grpo_loss` on logits = hidden @ weight.T + bias, without a (B·T, V) tensor.
+    """The GRPO loss family of `grpo_loss` (docs/loss.md) on logits = hidden @ weight.T + bias, without a (B·T, V) tensor.
 
     The vocabulary is streamed in tiles twice: once for the log-probabilities and entropies (fp32 logits, online
     logsumexp), once, after the float64 objective gives each token's gradient coefficients, to accumulate the
@@ -146,8 +136,8 @@ def fused_linear_grpo_loss(
             shifted); strided views such as `last_hidden_state[:, -T-1:-1]` are read in place, never copied.
         weight: [V, H] the lm_head (or tied embedding) weight, same dtype and device as hidden.
         completion_ids: [B, T] int32/int64 in [0, V).
-        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, **options:
-            exactly as in `grpo_loss` (all eight loss types and every option).
+        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, config,
+            **options: exactly as in `grpo_loss` (all eight loss types and every option).
         bias: [V] or None, the lm_head bias.
         backend: "auto" (Triton folds on CUDA, torch tiles elsewhere), "triton" or "torch".
         vocab_parallel_group: a torch.distributed group over which the lm_head is sharded by vocabulary rows
@@ -172,27 +162,25 @@ def fused_linear_grpo_loss(
         >>> out = fused_linear_grpo_loss(hidden, lm_head.weight, ids, advantages=torch.tensor([1.0, -1.0]))
         >>> out.loss.backward()  # hidden.grad, lm_head.weight.grad
     """
-    unknown = set(options) - set(LossConfig.option_names())
-    if unknown:
-        raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
-    cfg = LossConfig(**options)
+    cfg = make_config(config, options, "fused_linear_grpo_loss")
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("data_parallel_group", data_parallel_group)
     weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
-    ids = _check_ids(completion_ids, batch, length, hidden.device)
-    rows: Any = _linear_backend(backend, hidden.device)
+    ids = check_ids(completion_ids, batch, length, hidden.device)
+    rows: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend)
     vocab = weight.shape[0]
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
         rows = LinearShard(rows, vocab_parallel_group, offset)
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     check_ids_range(ids, vocab)
-    inp: TokenInputs = _token_inputs(
+    inp: TokenInputs = token_inputs(
         hidden, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
-    )
+    )  # fmt: skip
+    weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call
     metrics: dict[str, torch.Tensor] = {}
-    loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, ids, metrics)
+    loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, weights, ids, metrics)
     return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)

@@ -1,10 +1,11 @@
 """The GRPO objective on per-token quantities: (B, T) log-probs and entropies in, loss and metrics out.
 
-The vocabulary-wide work (ℓ, H, ∂logits) lives in the row kernels; everything here is O(B·T) and runs in float64,
-so it is exact next to the fp32 row statistics. Backends call `grpo_objective` with ℓ and H as autograd leaves and
-read g = ∂loss/∂ℓ and h = ∂loss/∂H off their gradients; that is what makes every option of GRPO_SPEC (sequence-level
-ratios, entropy and off-policy masks, vespo) available to every backend. The Triton one-read kernel recomputes the
-token-level subset of this math in registers and uses `aggregation_weights` from here.
+The one definition of the per-token loss outside the float64 oracle (reference/); docs/loss.md states the math.
+The vocabulary-wide work (ℓ, H, ∂logits) lives in the row backends; everything here is O(B·T) and runs in float64,
+so it is exact next to the fp32 row statistics. The loss calls `grpo_objective` with ℓ and H as autograd leaves and
+reads g = ∂loss/∂ℓ and h = ∂loss/∂H off their gradients; that is what makes every option (sequence-level ratios,
+entropy and off-policy masks, vespo) available to every backend. The Triton one-read kernel recomputes the
+token-level subset of this math in registers (the one justified copy) with `aggregation_weights` from here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import CLIPPED_LOSS_TYPES, LossConfig
+from .config import CLIPPED_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, LossConfig
 from .distributed import all_gather_varlen, all_reduce_sum, world_size
 
 
@@ -41,17 +42,18 @@ def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Te
 
 
 def aggregation_weights(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Tensor:
-    """w[b, t] such that the aggregated loss is Σ w·L (the table under 'Aggregation' in GRPO_SPEC)."""
+    """w[b, t] such that the aggregated loss is Σ w·L (docs/loss.md, "Aggregation"). Computed once per call: pass it
+    to `grpo_objective` as `weights` (under data parallelism the token-count losses all-reduce here)."""
     batch, length = mask.shape
+    if cfg.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        return mask / dapo_normalizer(mask, cfg, group)
     if cfg.loss_type in ("grpo", "sapo"):
         return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / batch
     if cfg.loss_type == "bnpo":
         return mask / mask.sum().clamp(min=1.0)
     if cfg.loss_type == "dr_grpo":
         return mask / (batch * (cfg.max_completion_length or length))
-    if cfg.loss_type == "luspo":
-        return mask / batch
-    return mask / dapo_normalizer(mask, cfg, group)  # dapo, cispo, vespo
+    return mask / batch  # luspo
 
 
 def entropy_bonus_weights(effective_mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -92,11 +94,16 @@ def _gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, inp: TokenInputs,
 
 
 def grpo_objective(
-    logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    inp: TokenInputs,
+    cfg: LossConfig,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (0-d, differentiable in `logp` and `entropy`) and TRL's metrics (detached 0-d tensors).
 
-    `logp`, `entropy`: [B, T] float64. Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line.
+    `logp`, `entropy`: [B, T] float64. `weights`: `aggregation_weights(inp.mask, cfg, inp.data_group)` when the
+    caller has it already (None: computed here). Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line.
     """
     mask, adv = inp.mask, inp.advantages
     old = logp.detach() if inp.old_logp is None else inp.old_logp
@@ -143,7 +150,9 @@ def grpo_objective(
     if cfg.beta != 0.0:
         per_token = per_token + cfg.beta * kl
 
-    loss = (per_token * aggregation_weights(mask, cfg, inp.data_group)).sum()
+    if weights is None:
+        weights = aggregation_weights(mask, cfg, inp.data_group)
+    loss = (per_token * weights).sum()
     policy_loss = loss.detach()
     if cfg.entropy_coef != 0.0:
         effective = mask if entropy_mask is None else mask * entropy_mask
@@ -157,18 +166,6 @@ def grpo_objective(
         if cfg.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics
-
-
-def metric_names(loss_type: str, beta: float, entropy_coef: float) -> list[str]:
-    """The keys `grpo_objective` returns, in order (primitives in, so torch.compile can trace it)."""
-    names = (["kl"] if beta != 0.0 else []) + ["entropy"]
-    if loss_type in CLIPPED_LOSS_TYPES:
-        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-    elif loss_type == "cispo":
-        names.append("cispo_clip_ratio")
-    elif loss_type == "vespo":
-        names.append("vespo/phi_seq_mean")
-    return names + (["policy_loss"] if entropy_coef != 0.0 else [])
 
 
 def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor, group=None) -> dict[str, torch.Tensor]:

@@ -12,16 +12,12 @@ every shard's part: one all-reduce of the fp32 ∂hidden, inside the forward lik
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from types import ModuleType
-
 import torch
 import torch.distributed as dist
 
 from .distributed import comm_device
 from .ops.linear_torch import RowStats
-from .ops.torch_rows import _row_chunks, _shifted, row_grad
+from .ops.rows import FusedTokenGrad, LinearBackend, RowBackend
 
 
 def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
@@ -34,39 +30,16 @@ def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.devic
     return sum(sizes[:rank]), sum(sizes)
 
 
-def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
-    """[B, T, 5] float32 per row of the shard: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e),
-    e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays exact for peaked rows."""
-    batch, length, vocab = logits.shape
-    parts = torch.empty(batch, length, 5, dtype=torch.float32, device=logits.device)
-    for b, ts in _row_chunks(batch, length, vocab):
-        x = logits[b, ts]
-        row_max = x.amax(-1).float()
-        # A shard row that is all −inf (padded vocabulary) contributes nothing; shift it by 0, not by −inf.
-        z = _shifted(x, torch.where(row_max == -math.inf, 0.0, row_max), temperature)
-        e = torch.exp(z)
-        local = ids[b, ts].long().unsqueeze(-1) - offset
-        inside = (local >= 0) & (local < vocab)
-        y = local.clamp(0, vocab - 1)
-        total = e.sum(-1)
-        parts[b, ts, 0] = row_max
-        parts[b, ts, 1] = total
-        parts[b, ts, 2] = torch.where(e > 0, e * z, 0.0).sum(-1)
-        parts[b, ts, 3] = torch.where(inside, x.float().gather(-1, y), -math.inf).squeeze(-1)
-        parts[b, ts, 4] = torch.where(inside.squeeze(-1), e.scatter(-1, y, 0.0).sum(-1), total)
-    return parts
-
-
 def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[P, B, T, 5] partials of every rank -> (logp, entropy, state [B, T, 3]) in torch_rows' layout:
-    (global raw max, log Σe, 1 − p_y)."""
+    """[P, B, T, 5] partials of every rank (`RowBackend.shard_partials`) -> (logp, entropy, row_state) of the full
+    vocabulary, row_state in the shared layout of ops/rows.py."""
     m, scale, total, weighted = _merge_sums(gathered[..., 0], gathered[..., 1], gathered[..., 2], 1.0 / temperature)
     others = (scale * gathered[..., 4]).sum(0)
     log_sum = torch.log(total)
     z_y = (gathered[..., 3].amax(0) - m) / temperature
     logp = torch.where(z_y > -20.0, -torch.log1p(others / torch.exp(z_y)), z_y - log_sum)  # as torch_rows
     entropy = log_sum - weighted / total
-    return logp, entropy, torch.stack([m, log_sum, others / total], dim=-1)
+    return logp, entropy, torch.stack([m, log_sum, others / total, log_sum - entropy], dim=-1)
 
 
 def _merge_sums(
@@ -82,40 +55,27 @@ def _merge_sums(
     return m, scale, total, weighted
 
 
-def shard_row_stats(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    temperature: float,
-    group: dist.ProcessGroup,
-    offset: int,
-    partials: Callable[..., torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    parts = (partials or shard_partials)(logits, ids, offset, temperature)
-    gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, parts, group=group)
-    return merge_partials(torch.stack(gathered), temperature)
-
-
 class ShardBackend:
-    """The row-backend interface over one vocabulary shard (api.forward_rows drives it like torch_rows). `rows` is
-    the logits backend the shard's own passes run on: torch_rows, or triton_logits (its shard partials kernel, and
-    its gradient kernel with shard-local ids and the merged state)."""
+    """A `RowBackend` over one contiguous vocabulary shard [offset, offset + V_rank) of a `vocab` vocabulary: `rows`
+    (the logits backend of this rank) reduces the shard to partials, one all-gather merges them into the full
+    vocabulary's ℓ, H and row state, and `rows.row_grad` writes the shard's gradient with shard-local ids."""
 
-    def __init__(self, group: dist.ProcessGroup, offset: int, vocab: int, rows: ModuleType | None = None) -> None:
-        self.group, self.offset, self.vocab = group, offset, vocab
-        self.triton = rows is not None and hasattr(rows, "shard_partials")
-        self.rows = rows
+    fused_token_grad: FusedTokenGrad | None = None  # the merge needs every shard's statistics before any gradient
+
+    def __init__(self, group: dist.ProcessGroup, offset: int, vocab: int, rows: RowBackend) -> None:
+        self.group, self.offset, self.vocab, self.rows = group, offset, vocab, rows
 
     def row_stats(self, logits, ids, temperature):
-        partials = self.rows.shard_partials if self.triton else None
-        return shard_row_stats(logits, ids, temperature, self.group, self.offset, partials)
+        parts = self.rows.shard_partials(logits, ids, self.offset, temperature)
+        gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, parts, group=self.group)
+        return merge_partials(torch.stack(gathered), temperature)
 
-    def row_grad(self, logits, ids, state, entropy, g, h, temperature, out):
-        if self.triton:
-            state = self.rows.shard_row_state(state, entropy)
-            self.rows.row_grad(logits, ids - self.offset, state, entropy, g, h, temperature, out)
-        else:
-            row_grad(logits, ids, state, entropy, g, h, temperature, out, vocab_offset=self.offset)
+    def row_grad(self, logits, ids, state, g, h, temperature, out):
+        self.rows.row_grad(logits, ids - self.offset, state, g, h, temperature, out)
+
+    def shard_partials(self, logits, ids, offset, temperature):
+        raise NotImplementedError("a vocabulary shard is not sharded again")
 
 
 def merge_row_stats(st: RowStats, group: dist.ProcessGroup) -> RowStats:
@@ -131,7 +91,7 @@ def merge_row_stats(st: RowStats, group: dist.ProcessGroup) -> RowStats:
 class LinearShard:
     """The fused-linear backend interface (`stats`, `grads`) over one shard of the lm_head weight rows."""
 
-    def __init__(self, rows: ModuleType, group: dist.ProcessGroup, offset: int) -> None:
+    def __init__(self, rows: LinearBackend, group: dist.ProcessGroup, offset: int) -> None:
         self.rows, self.group, self.offset = rows, group, offset
 
     def stats(self, hidden, weight, bias, ids, temperature):

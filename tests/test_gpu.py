@@ -97,7 +97,8 @@ def test_vocab_shard_kernels_at_real_size():
     """The vocabulary-parallel Triton path without collectives: Qwen's vocabulary cut in two shards, each shard's
     partials from the Triton kernel equal the torch ones, and the merged ℓ/H and the shards' gradients (Triton
     gradient kernel on the merged state) equal the unsharded Triton path's."""
-    from grpo_kernels.vocab_parallel import merge_partials, shard_partials
+    from grpo_kernels.ops.torch_rows import shard_partials
+    from grpo_kernels.vocab_parallel import merge_partials
 
     full, ids, _, _ = _problem(4, 256, 151936, torch.bfloat16)
     x = full[:, :-1]
@@ -112,11 +113,10 @@ def test_vocab_shard_kernels_at_real_size():
     torch.testing.assert_close(entropy, whole_entropy, rtol=1e-5, atol=1e-6)
     g, h = torch.randn_like(logp), torch.randn_like(logp)
     want = torch.empty_like(x)
-    triton_logits.row_grad(x, ids, whole_state, whole_entropy, g, h, 0.9, want)
-    merged = triton_logits.shard_row_state(state, entropy)
+    triton_logits.row_grad(x, ids, whole_state, g, h, 0.9, want)
     for s, off in shards:
         got = torch.empty_like(s)
-        triton_logits.row_grad(s, ids - off, merged, entropy, g, h, 0.9, got)
+        triton_logits.row_grad(s, ids - off, state, g, h, 0.9, got)
         # two bf16 roundings of values that agree to fp32 precision: at most one bf16 ulp (2^-7 relative) apart
         ref = want[..., off : off + s.shape[-1]].float()
         torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-6 * ref.abs().max().item())

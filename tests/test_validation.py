@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_kernels import GRPOLoss, grpo_loss, group_advantages, selective_log_softmax
+from grpo_kernels import GRPOLoss, LossConfig, fused_linear_grpo_loss, grpo_loss, group_advantages, selective_log_softmax
 
 B, T, V = 2, 3, 5
 
@@ -51,6 +51,8 @@ CASES = [
     (dict(max_completion_length=0), ValueError, "max_completion_length must be > 0"),
     (dict(epsilon=0.2), TypeError, "unknown option(s) ['epsilon']"),
     (dict(inplace_backward=1), TypeError, "inplace_backward must be a bool"),
+    (dict(config={"loss_type": "dapo"}), TypeError, "config must be a LossConfig or None, got dict"),
+    (dict(config=LossConfig(), beta="0.1"), TypeError, "beta must be a real number"),  # options over a config
 ]
 
 
@@ -81,6 +83,31 @@ def test_inplace_on_a_leaf_is_refused():
 def test_module_validates_at_construction():
     with pytest.raises(ValueError, match="loss_type must be one of"):
         GRPOLoss(loss_type="nope")
+    with pytest.raises(TypeError, match=r"GRPOLoss got unknown option\(s\) \['betta'\]"):
+        GRPOLoss(betta=0.1)
+
+
+def test_config_and_options_are_one_validated_config():
+    """`config=` is the same call as its options spelled out; options given beside it override its fields."""
+    kwargs = good()
+    kwargs["ref_logp"] = torch.randn(B, T)
+    options = dict(loss_type="dapo", beta=0.04, temperature=0.7, epsilon_high=0.28)
+    spelled = grpo_loss(**kwargs, backend="torch", **options)
+    held = grpo_loss(**kwargs, backend="torch", config=LossConfig(**options))
+    assert torch.equal(spelled.loss, held.loss) and spelled.metrics.keys() == held.metrics.keys()
+    override = grpo_loss(**kwargs, backend="torch", config=LossConfig(**options), loss_type="bnpo")
+    assert torch.equal(override.loss, grpo_loss(**kwargs, backend="torch", **{**options, "loss_type": "bnpo"}).loss)
+    module = GRPOLoss(config=LossConfig(**options), backend="torch")
+    assert module.config == LossConfig(**options) and "loss_type='dapo'" in repr(module)
+    assert torch.equal(module(**kwargs).loss, spelled.loss)
+
+
+def test_fused_linear_options_are_checked_once_by_name():
+    ids, adv = torch.zeros(1, 2, dtype=torch.long), torch.ones(1)
+    with pytest.raises(TypeError, match=r"fused_linear_grpo_loss got unknown option\(s\) \['epsilon'\]"):
+        fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, epsilon=0.2)
+    with pytest.raises(TypeError, match="config must be a LossConfig"):
+        fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, config="grpo")
 
 
 def test_selective_log_softmax_validates():

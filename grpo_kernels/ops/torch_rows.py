@@ -1,7 +1,8 @@
 """The CPU path: the row kernels' algorithm in chunked PyTorch, for machines without Triton on the device.
 
 At most one chunk of rows (about `CHUNK_ELEMENTS` elements) exists as float32 vocabulary-wide temporaries at a
-time; the only full-size allocation is the gradient, in the logits' dtype. Same interface as triton_logits.
+time; the only full-size allocation is the gradient, in the logits' dtype. A `RowBackend` (ops/rows.py) without
+the one-read fused pass: the loss runs `row_stats`, the objective, then `row_grad`.
 
 Precision: everything is taken relative to the row's raw maximum, z' = (x − max x) / τ, so that logits of size
 1e4 lose nothing to an fp32 logsumexp of size 1e4; 1 − p_y is summed over the other tokens rather than formed
@@ -10,13 +11,19 @@ as a difference, so a peaked row (p_y → 1) keeps its target gradient exact.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
 
+from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state
+
 # 4 Mi float32 elements = 16 MiB per temporary: big enough to amortize op overhead on a CPU, small next to the
 # logits (a 4096 x 32000 batch is 131 Mi elements).
 CHUNK_ELEMENTS = 1 << 22
+
+
+fused_token_grad: FusedTokenGrad | None = None  # no one-read pass here (the RowBackend capability)
 
 
 def _row_chunks(batch: int, length: int, vocab: int) -> Iterator[tuple[int, slice]]:
@@ -32,15 +39,10 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torc
     return z / temperature if temperature != 1.0 else z
 
 
-def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(batch, length, 3, dtype=torch.float32, device=device)
-
-
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp, entropy [B, T] float32; row_state [B, T, 3] = (raw row max, log Σ e^z',
-    1 − p_y)."""
+    """(logp, entropy, row_state): logp, entropy [B, T] float32; row_state [B, T, 4] in the layout of ops/rows.py."""
     batch, length, vocab = logits.shape
     logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -61,10 +63,12 @@ def row_stats(
         weighted = torch.linalg.vecdot(e, z) + e_y * z_y  # Σ e·z' without a [rows, V] product
         # ℓ = −log(1 + Σ_{v≠y} e_v / e_y): exact near 0 through log1p; plain z'_y − log Σ where p_y is tiny.
         logp[b, ts] = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)
-        entropy[b, ts] = log_sum - weighted / total
+        ent = log_sum - weighted / total
+        entropy[b, ts] = ent
         state[b, ts, 0] = row_max
         state[b, ts, 1] = log_sum
         state[b, ts, 2] = others / total
+        state[b, ts, 3] = log_sum - ent  # Σ p·z', formed from the stored H so that s − c is H exactly
     return logp, entropy, state
 
 
@@ -72,23 +76,21 @@ def row_grad(
     logits: torch.Tensor,
     ids: torch.Tensor,
     state: torch.Tensor,
-    entropy: torch.Tensor,
     g: torch.Tensor,
     h: torch.Tensor | None,
     temperature: float,
     out: torch.Tensor,
-    vocab_offset: int = 0,
 ) -> None:
     """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, written chunk by chunk; `out` may be `logits` itself.
 
-    `vocab_offset`: the logits are the vocabulary shard [offset, offset + V) of a larger vocabulary (state from
-    vocab_parallel.merge_partials); a target outside the shard contributes no one-hot here."""
+    An id outside [0, V) (the logits are one vocabulary shard, `ids` shard-local, `state` the merged full-vocabulary
+    one of vocab_parallel.merge_partials) contributes no one-hot."""
     batch, length, vocab = logits.shape
     for b, ts in _row_chunks(batch, length, vocab):
-        local = ids[b, ts].long().unsqueeze(-1) - vocab_offset
+        local = ids[b, ts].long().unsqueeze(-1)
         inside = (local >= 0) & (local < vocab)  # [rows, 1]
         y = local.clamp(0, vocab - 1)
-        row_max, log_sum, others = state[b, ts, 0], state[b, ts, 1], state[b, ts, 2]
+        row_max, log_sum, others, mean_z = state[b, ts, 0], state[b, ts, 1], state[b, ts, 2], state[b, ts, 3]
         g_b = g[b, ts].unsqueeze(-1)
         z = _shifted(logits[b, ts], row_max, temperature)
         target = g_b * others.unsqueeze(-1)  # g·(1 − p_y), exact for a peaked row
@@ -97,10 +99,34 @@ def row_grad(
             grad.scatter_(-1, y, torch.where(inside, target, grad.gather(-1, y)))
         else:
             p = torch.exp(z - log_sum.unsqueeze(-1))
-            centered = z.sub_((log_sum - entropy[b, ts]).unsqueeze(-1))  # z' − Σ p·z'
+            centered = z.sub_(mean_z.unsqueeze(-1))  # z' − Σ p·z'
             grad = torch.where(p > 0, p * centered, 0.0).mul_(-h[b, ts].unsqueeze(-1))  # −h·p·(z' − Σpz')
             p.scatter_(-1, y, torch.where(inside, 0.0, p.gather(-1, y)))  # the target's −g·p_y is in `target`
             grad.sub_(g_b * p).scatter_add_(-1, y, torch.where(inside, target, 0.0))
         if temperature != 1.0:
             grad /= temperature
         out[b, ts] = grad
+
+
+def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
+    """[B, T, 5] float32 per row of the shard: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e),
+    e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays exact for peaked rows.
+    `ids` are global; the shard holds [offset, offset + V)."""
+    batch, length, vocab = logits.shape
+    parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
+    for b, ts in _row_chunks(batch, length, vocab):
+        x = logits[b, ts]
+        row_max = x.amax(-1).float()
+        # A shard row that is all −inf (padded vocabulary) contributes nothing; shift it by 0, not by −inf.
+        z = _shifted(x, torch.where(row_max == -math.inf, 0.0, row_max), temperature)
+        e = torch.exp(z)
+        local = ids[b, ts].long().unsqueeze(-1) - offset
+        inside = (local >= 0) & (local < vocab)
+        y = local.clamp(0, vocab - 1)
+        total = e.sum(-1)
+        parts[b, ts, 0] = row_max
+        parts[b, ts, 1] = total
+        parts[b, ts, 2] = torch.where(e > 0, e * z, 0.0).sum(-1)
+        parts[b, ts, 3] = torch.where(inside, x.float().gather(-1, y), -math.inf).squeeze(-1)
+        parts[b, ts, 4] = torch.where(inside.squeeze(-1), e.scatter(-1, y, 0.0).sum(-1), total)
+    return parts

@@ -2,9 +2,14 @@
 
 One program walks one row of V logits in BLOCK_V tiles with an online (max, Σe, Σe·z) recurrence in fp32; the
 fused kernel then forms the per-token GRPO coefficient in registers and re-reads the row (from L2) to write the
-gradient. Same interface as ops/torch_rows.py, so `api.py` drives either backend.
+gradient. A `RowBackend` (ops/rows.py) with the one-read fused pass; the kernels work in log2 units (exp2), the launchers
+convert the row state to the shared natural-log layout.
 
-Precision (GRPO_SPEC asks fp32 results within 1e-5 of float64, bf16/fp16 gradients within one ulp):
+The per-token objective of the token-level losses is written a second time here, in registers (`_token_coef`):
+the one justified copy of loss_math's math, because the fused pass must form g = ∂loss/∂ℓ between its two reads
+of a row. tests/ops/test_triton_rows.py holds it to the float64 oracle in reference/.
+
+Precision (docs/loss.md: fp32 results within 1e-5 of float64, bf16/fp16 gradients within one ulp):
 - every logit is taken relative to the raw row maximum m, z' = (x − m)/τ, never as x/τ − lse: for logits of size
   1e4 an fp32 lse alone is off by 1e-3, which would shift every probability by 1e-3;
 - the target's probability mass is kept apart: the loop sums e_v over v ≠ y only, so 1 − p_y = Σ_{v≠y} e_v / Σe
@@ -21,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..config import CLIPPED_LOSS_TYPES, LossConfig
+from .rows import ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
@@ -233,6 +239,8 @@ def shard_partials_fwd_kernel(
         tl.store(p_p + 4, tl.where(inside, tl.where(b_live, b_q * b_s, 0.0), b_s))  # Σ_{v≠y} e
 
 
+# The one justified copy of the per-token objective outside loss_math (see the module docstring): the token-level
+# subset, in registers, for the one-read fused pass. Any change to loss_math's token-level math must be made here too.
 @triton.jit
 def _token_coef(
     b_lp,
@@ -437,59 +445,29 @@ def _num_programs(rows: int, row_bytes: int, two_pass: bool, device: torch.devic
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Launchers and validation
+# Launchers (inputs were validated at the public boundary; these assert shapes only)
 
 
-def _check_rows(logits: torch.Tensor, ids: torch.Tensor) -> tuple[int, int, int]:
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+def _assert_rows(logits: torch.Tensor, ids: torch.Tensor, *bt: torch.Tensor | None) -> tuple[int, int, int]:
     batch, length, vocab = logits.shape
-    if logits.stride(-1) != 1 and vocab > 1:
-        raise ValueError(f"logits must have unit stride along the vocabulary, got strides {logits.stride()}")
-    if ids.shape != (batch, length):
-        raise ValueError(f"ids must have shape {(batch, length)}, got {tuple(ids.shape)}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"ids must be int32/int64, got {ids.dtype}")
+    assert logits.stride(-1) == 1 or vocab == 1, logits.stride()
+    assert ids.shape == (batch, length), (ids.shape, logits.shape)
+    for x in bt:
+        assert x is None or (x.shape == (batch, length) and x.dtype == torch.float32), (x.shape, x.dtype)
     return batch, length, vocab
 
 
-def _check_bt(name: str, x: torch.Tensor | None, batch: int, length: int, device: torch.device) -> None:
-    if x is None:
-        return
-    if x.shape != (batch, length):
-        raise ValueError(f"{name} must have shape {(batch, length)} (a broadcast view is fine), got {tuple(x.shape)}")
-    if x.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{name} must be on {device}, got {x.device}")
-
-
-def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
-    if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device:
-        raise ValueError(
-            f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), "
-            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
-        )
-    if out.stride(-1) != 1 and out.shape[-1] > 1:
-        raise ValueError(f"out must have unit stride along the vocabulary, got strides {out.stride()}")
+def _assert_out(out: torch.Tensor, logits: torch.Tensor) -> None:
+    assert out.shape == logits.shape and out.dtype == logits.dtype, (out.shape, out.dtype)
+    assert out.stride(-1) == 1 or out.shape[-1] == 1, out.stride()
 
 
 def _strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
 
 
-ROW_STATE_WIDTH = 4  # (row max, log2 Σe, 1 − p_y, Σ p·z2): see row_stats
-
-
-def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """An uninitialized row_state of the shape `row_stats` returns (torch.compile's fake kernel needs it)."""
-    return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=torch.float32, device=device)
-
-
 def _fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
-    batch, length, vocab = _check_rows(logits, ids)
+    batch, length, vocab = _assert_rows(logits, ids)
     logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     state = empty_row_state(batch, length, logits.device)
@@ -502,24 +480,21 @@ def _fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
         LOG2E / temperature,
         BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
+    state[..., 1::2] *= LN2.value  # the kernel's log2 Σe and Σ p·z2 -> the shared layout's natural units
     return logp, entropy, state
 
 
 def _bwd(logits, ids, state, g, h, temperature, out) -> None:
-    batch, length, vocab = _check_rows(logits, ids)
-    if state.shape != (batch, length, ROW_STATE_WIDTH) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(
-            f"row_state must be the contiguous [B, T, 4] float32 tensor returned by this module's row_stats, "
-            f"got {tuple(state.shape)} {state.dtype}"
-        )
-    _check_bt("g", g, batch, length, logits.device)
-    _check_bt("h", h, batch, length, logits.device)
-    _check_out(out, logits)
+    batch, length, vocab = _assert_rows(logits, ids, g, h)
+    assert state.shape == (batch, length, ROW_STATE_WIDTH) and state.dtype == torch.float32, state.shape
+    _assert_out(out, logits)
+    kernel_state = state.contiguous().clone()
+    kernel_state[..., 1::2] /= LN2.value  # natural units -> the kernel's log2 ones
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
     grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
     row_stats_bwd_kernel[grid](
-        logits, ids, state, g, h, out, rows, length, vocab,
+        logits, ids, kernel_state, g, h, out, rows, length, vocab,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
         *_strides(g), *_strides(h),
         LOG2E / temperature, 1.0 / temperature,
@@ -531,29 +506,9 @@ LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
 
 
 def _fused_fwd(logits, ids, temperature, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight, cfg, out):
-    batch, length, vocab = _check_rows(logits, ids)
-    if cfg.is_sequence_level or cfg.loss_type not in LOSS_CODES:
-        raise ValueError(
-            "fused_token_grad handles token-level options only (loss_type in "
-            f"{tuple(LOSS_CODES)}, no sequence-level ratio or masks), got loss_type={cfg.loss_type!r}, "
-            f"importance_sampling_level={cfg.importance_sampling_level!r}"
-        )
-    if cfg.beta != 0.0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when beta != 0 (beta={cfg.beta})")
-    if cfg.beta == 0.0:
-        ref_logp = None  # a given ref with β = 0 must not turn an inf into 0·inf
-    for name, x in (
-        ("advantages", advantages),
-        ("old_logp", old_logp),
-        ("ref_logp", ref_logp),
-        ("is_ratio", is_ratio),
-        ("weight", weight),
-        ("entropy_weight", entropy_weight),
-    ):
-        _check_bt(name, x, batch, length, logits.device)
-    if advantages is None or weight is None:
-        raise ValueError("advantages and weight are required")
-    _check_out(out, logits)
+    batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight)
+    assert cfg.is_fused and (ref_logp is not None) == (cfg.beta != 0.0), (cfg, ref_logp is None)
+    _assert_out(out, logits)
     logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
@@ -575,7 +530,7 @@ def _fused_fwd(logits, ids, temperature, advantages, old_logp, ref_logp, is_rati
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The backend interface (api.py calls these)
+# The RowBackend interface (ops/rows.py)
 
 
 def row_stats(
@@ -589,9 +544,8 @@ def row_stats(
         temperature: τ > 0.
     Returns:
         (logp, entropy, row_state): logp = z_y − logsumexp(z) and entropy = lse − Σ softmax(z)·z with z = logits/τ,
-        each [B, T] float32; row_state [B, T, 4] float32, opaque, for `row_grad`: (raw row max m, log2 Σe,
-        1 − p_y, Σ p·z2) with z2 = (x − m)·log2(e)/τ. `lse` itself is m/τ + ln2·row_state[..., 1] (`row_lse`),
-        but an fp32 lse alone cannot give exact probabilities for large logits, hence the wider state.
+        each [B, T] float32; row_state [B, T, 4] float32 in the shared layout of ops/rows.py (m, log Σe, 1 − p_y,
+        Σ p·z'). An fp32 lse alone cannot give exact probabilities for large logits, hence the wider state.
 
     Example:
         >>> logp, entropy, state = row_stats(logits, ids, 1.0)
@@ -599,17 +553,12 @@ def row_stats(
     return _fwd(logits, ids, temperature)
 
 
-def row_lse(row_state: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logsumexp(logits/τ) per row, [B, T] float32, from `row_stats`' state (for callers that want it)."""
-    return row_state[..., 0] / temperature + LN2.value * row_state[..., 1]
-
-
 def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
     """The per-row partials of one vocabulary shard, [B, T, 5] float32, as vocab_parallel.shard_partials computes
     them in torch ops: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e), e = exp(z'),
     z' = (x − m)/τ. One read of the shard; `ids` are global, the shard holds [offset, offset + V)."""
-    batch, length, vocab = _check_rows(logits, ids)
-    parts = torch.empty(batch, length, 5, dtype=torch.float32, device=logits.device)
+    batch, length, vocab = _assert_rows(logits, ids)
+    parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
     grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
@@ -622,18 +571,10 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
     return parts
 
 
-def shard_row_state(state: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-    """vocab_parallel.merge_partials' (raw max m, log Σe, 1 − p_y) and the merged H -> this module's row_state
-    (m, log2 Σe, 1 − p_y, Σ p·z2), so that row_grad writes a shard's gradient (with ids − offset)."""
-    log_sum = state[..., 1]
-    return torch.stack([state[..., 0], log_sum / LN2.value, state[..., 2], (log_sum - entropy) / LN2.value], -1)
-
-
 def row_grad(
     logits: torch.Tensor,
     ids: torch.Tensor,
     row_state: torch.Tensor,
-    entropy: torch.Tensor,
     g: torch.Tensor,
     h: torch.Tensor | None,
     temperature: float,
@@ -642,13 +583,12 @@ def row_grad(
     """out[b, t, :] = (g·(onehot(y) − p) − h·p·(z − Σ p·z)) / τ in out.dtype, p = softmax(logits/τ).
 
     Args:
-        row_state: the third output of `row_stats` on the same logits.
-        entropy: accepted for interface parity with the torch backend; unused (the state carries Σ p·z exactly).
+        row_state: the third output of `row_stats` on the same logits (or the merged state of a vocabulary shard,
+            with shard-local ids: a target outside [0, V) gets no one-hot).
         g, h: [B, T] float32 (any strides, broadcast views included); h None drops the entropy term.
         out: [B, T, V] in the logits' dtype, unit vocabulary stride; may be `logits` itself (in-place gradient:
             each tile is read before it is overwritten).
     """
-    del entropy
     _bwd(logits, ids, row_state, g, h, temperature, out)
 
 
@@ -668,13 +608,13 @@ def fused_token_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One read of each row for the token-level losses: ℓ, H, the token coefficient g = ∂loss/∂ℓ, and ∂logits.
 
-    loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H (GRPO_SPEC; cfg.loss_type in grpo/bnpo/dr_grpo/dapo/luspo/cispo/
-    sapo, cfg.is_sequence_level False). Writes out = (g·(onehot − p) − h·p·(z − Σpz))/τ, h = entropy_weight.
+    loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H (docs/loss.md), for a config with `cfg.is_fused`. Writes
+    out = (g·(onehot − p) − h·p·(z − Σpz))/τ, h = entropy_weight.
 
     Args:
         advantages, weight: [B, T] float32 (broadcast views with stride 0 are read in place).
         old_logp: [B, T] or None (None: ℓ_old = sg(ℓ), ratio exactly 1).
-        ref_logp: [B, T] or None; required iff cfg.beta != 0 (ignored when β == 0).
+        ref_logp: [B, T], given iff cfg.beta != 0 (None at β = 0, so an inf there cannot become 0·inf).
         is_ratio: [B, T] ρ or None. entropy_weight: [B, T] or None.
         out: [B, T, V] in the logits' dtype; may be `logits` itself.
     Returns:

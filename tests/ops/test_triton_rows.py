@@ -1,4 +1,4 @@
-"""The Triton row kernels (grpo_kernels/ops/triton_logits.py) against float64 torch written out here.
+"""The Triton row kernels (grpo_kernels/ops/triton_logits.py) against the float64 oracle (reference/).
 
 On a CPU they run under TRITON_INTERPRET=1 (tests/conftest.py sets it), so shapes stay small: the interpreter runs
 each program's tile ops as numpy calls, one program after another.
@@ -14,7 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_kernels.config import CLIPPED_LOSS_TYPES, LossConfig
+from dataclasses import fields
+
+from grpo_kernels.config import CLIPPED_LOSS_TYPES, FUSED_LOSS_TYPES, LossConfig
+from grpo_kernels.loss_math import aggregation_weights, entropy_bonus_weights
+from grpo_kernels.ops import torch_rows
+from reference import reference_grpo_loss, reference_selective_log_softmax
 
 from ..oracle_check import TOLERANCES, ulp
 
@@ -26,7 +31,7 @@ from grpo_kernels.ops import triton_logits
 pytestmark = pytest.mark.usefixtures("nan_empty")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TOKEN_LOSSES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo")
+TOKEN_LOSSES = FUSED_LOSS_TYPES
 NAN = float("nan")
 
 
@@ -69,61 +74,36 @@ def nan_out_like(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# float64 truth
+# float64 truth: the oracle, differentiated by autograd
 
 
 def exact_rows(x: torch.Tensor, ids: torch.Tensor, tau: float):
-    """(logp, entropy, p, z, Σpz, 1 − p_y) in float64, on the same input values.
-
-    z is taken relative to the row max (softmax does not change): for a peaked row z_y − Σpz is ~p_other·|z|,
-    which float64 keeps only when z_y is 0, not ~200 (ulp 3e-14). The kernels are exact there, so must this be."""
-    z = x.double() / tau
-    z = z - z.amax(-1, keepdim=True)
-    logp_all = torch.log_softmax(z, -1)
-    p = logp_all.exp()
-    y = ids.long().unsqueeze(-1)
-    pz = torch.where(p > 0, p * z, 0.0)  # −inf columns: p·z = 0
-    c = pz.sum(-1)
-    logp = logp_all.gather(-1, y).squeeze(-1)
-    entropy = torch.logsumexp(z, -1) - c
-    others = p.scatter(-1, y, 0.0).sum(-1)  # 1 − p_y without cancellation (peaked rows)
-    return logp, entropy, p, z, c, others
+    """The oracle's (logp, entropy) in float64 on the same input values, and its graph for `exact_grad`."""
+    leaf = x.detach().double().requires_grad_(True)
+    logp, entropy = reference_selective_log_softmax(leaf, ids, tau)
+    return logp.detach(), entropy.detach(), (leaf, logp, entropy)
 
 
-def exact_grad(p, z, c, others, ids, g, h, tau):
-    y = ids.long().unsqueeze(-1)
-    onehot_minus_p = (-p).scatter(-1, y, others.unsqueeze(-1))
-    grad = g.double().unsqueeze(-1) * onehot_minus_p
+def exact_grad(graph, g: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    """∂(Σ g·ℓ + Σ h·H)/∂logits of the oracle, float64."""
+    leaf, logp, entropy = graph
+    objective = (g.double() * logp).sum()
     if h is not None:
-        grad = grad - h.double().unsqueeze(-1) * torch.where(p > 0, p * (z - c.unsqueeze(-1)), 0.0)
-    return grad / tau
+        objective = objective + (h.double() * entropy).sum()
+    (grad,) = torch.autograd.grad(objective, leaf, retain_graph=True)
+    return grad
 
 
-def exact_token_g(logp, advantages, old_logp, ref_logp, is_ratio, weight, cfg: LossConfig) -> torch.Tensor:
-    """∂/∂ℓ of Σ w·(ρ·L + β·kl), by torch autograd on a float64 leaf (its tie rules are the contract)."""
-    lp = logp.detach().clone().requires_grad_(True)
-    adv = advantages.double()
-    old = lp.detach() if old_logp is None else old_logp.double()
-    ratio = torch.exp(lp - old)
-    if cfg.loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * lp
-    elif cfg.loss_type == "sapo":
-        temps = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-        per_token = -torch.sigmoid(temps * (ratio - 1)) * 4 / temps * adv
-    else:
-        clipped = torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-        r = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
-        per_token = -torch.min(r * adv, clipped * adv)
-    if is_ratio is not None:
-        per_token = per_token * is_ratio.double()
-    if cfg.beta != 0.0:
-        ref = ref_logp.double()
-        kl = torch.exp(ref - lp) - (ref - lp) - 1
-        if cfg.use_bias_correction_kl:
-            kl = kl * ratio
-        per_token = per_token + cfg.beta * kl
-    (g,) = torch.autograd.grad((per_token * weight.double()).sum(), lp)
-    return g
+def exact_loss_grad(x, ids, cfg: LossConfig, inputs: dict, old, ref) -> torch.Tensor:
+    """∂loss/∂logits of the oracle's GRPO loss on the fused kernel's inputs, float64."""
+    leaf = x.detach().double().requires_grad_(True)
+    options = {f.name: getattr(cfg, f.name) for f in fields(LossConfig)}
+    out = reference_grpo_loss(
+        leaf, ids, inputs["advantages"], inputs["mask"], old, ref, importance_sampling_ratio=inputs["is_ratio"],
+        **options,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return grad
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -166,20 +146,29 @@ def check_grad(ours: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> N
 
 
 def run_rows(x, ids, tau, g, h, out=None):
-    """row_stats + row_grad, checked against float64; returns the gradient buffer."""
+    """row_stats + row_grad, checked against the oracle; returns the gradient buffer."""
     dtype = x.dtype
-    exact_lp, exact_h, p, z, c, others = exact_rows(x, ids, tau)
+    exact_lp, exact_h, graph = exact_rows(x, ids, tau)
     logp, entropy, state = triton_logits.row_stats(x, ids, tau)
     check_stats("logp", logp, exact_lp, dtype)
     check_stats("entropy", entropy, exact_h, dtype)
+    check_state(state, logp, entropy, x, tau)
     if out is None:
         out = nan_out_like(x, "contiguous")
-    triton_logits.row_grad(x, ids, state, entropy, g, h, tau, out)
-    check_grad(out, exact_grad(p, z, c, others, ids, g, h, tau), dtype)
+    triton_logits.row_grad(x, ids, state, g, h, tau, out)
+    check_grad(out, exact_grad(graph, g, h), dtype)
     return out
 
 
-def token_inputs(batch, length, gen, *, old=True, ref=True, ratio=True, ent=True, per_token_adv=False):
+def check_state(state: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, x: torch.Tensor, tau: float) -> None:
+    """The row state is the shared layout of ops/rows.py: (m, log Σe, 1 − p_y, Σ p·z'), so H = s − c."""
+    assert state.shape == (*logp.shape, 4) and state.dtype == torch.float32
+    finite = torch.isfinite(entropy)
+    assert torch.equal(state[..., 0][finite], x.float().amax(-1)[finite])
+    torch.testing.assert_close((state[..., 1] - state[..., 3])[finite], entropy[finite], rtol=1e-5, atol=1e-5)
+
+
+def token_inputs(batch, length, gen, *, old=True, ref=True, ratio=True, per_token_adv=False):
     """Per-token inputs as api.py passes them: fp32, advantages and ρ as stride-0 (B, 1) -> (B, T) expansions."""
 
     def randn(*shape):
@@ -187,14 +176,11 @@ def token_inputs(batch, length, gen, *, old=True, ref=True, ratio=True, ent=True
 
     adv = randn(batch, length) if per_token_adv else randn(batch, 1).expand(batch, length)
     mask = (torch.rand(batch, length, generator=gen) > 0.2).float().to(DEVICE)
-    weight = mask / mask.sum().clamp(min=1.0)
     rho = (0.5 + torch.rand(batch, 1, generator=gen)).to(DEVICE).expand(batch, length) if ratio else None
-    ent_w = -0.01 * mask / mask.sum().clamp(min=1.0) if ent else None
     return {
         "advantages": adv,
-        "weight": weight,
+        "mask": mask,
         "is_ratio": rho,
-        "entropy_weight": ent_w,
         "old_delta": 0.3 * randn(batch, length) if old else None,
         # ℓ_ref − ℓ kept >= 0.2 away from 0: 1 − exp(ℓ_ref − ℓ) cancels there, and an fp32 ℓ (off by up to an
         # ulp of ℓ, 1e-6 at ℓ ~ −8) cannot give that small coefficient to 1e-5 (or to the bf16/fp16 ulp).
@@ -207,11 +193,14 @@ def token_inputs(batch, length, gen, *, old=True, ref=True, ratio=True, ent=True
 
 
 def run_fused(x, ids, cfg: LossConfig, inputs: dict, out=None):
-    """fused_token_grad against float64 (ℓ, H from log_softmax, g from autograd); returns the gradient buffer."""
+    """fused_token_grad against the oracle's ℓ, H and ∂loss/∂logits; returns the gradient buffer. The weights are
+    loss_math's, as api.py passes them."""
     dtype, tau = x.dtype, cfg.temperature
-    exact_lp, exact_h, p, z, c, others = exact_rows(x, ids, tau)
+    exact_lp, exact_h, _ = exact_rows(x, ids, tau)
     old = None if inputs["old_delta"] is None else (exact_lp + inputs["old_delta"]).float()
-    ref = None if inputs["ref_delta"] is None else (exact_lp + inputs["ref_delta"]).float()
+    ref = None if inputs["ref_delta"] is None or cfg.beta == 0 else (exact_lp + inputs["ref_delta"]).float()
+    mask = inputs["mask"].double()
+    expected = exact_loss_grad(x, ids, cfg, inputs, old, ref)  # before the kernel: `out` may be `x` itself
     if out is None:
         out = nan_out_like(x, "contiguous")
     logp, entropy = triton_logits.fused_token_grad(
@@ -222,17 +211,14 @@ def run_fused(x, ids, cfg: LossConfig, inputs: dict, out=None):
         old_logp=old,
         ref_logp=ref,
         is_ratio=inputs["is_ratio"],
-        weight=inputs["weight"],
-        entropy_weight=inputs["entropy_weight"],
+        weight=aggregation_weights(mask, cfg).float(),
+        entropy_weight=entropy_bonus_weights(mask, cfg).float() if cfg.entropy_coef != 0 else None,
         cfg=cfg,
         out=out,
     )
     check_stats("logp", logp, exact_lp, dtype)
     check_stats("entropy", entropy, exact_h, dtype)
-    g = exact_token_g(
-        exact_lp, inputs["advantages"], old, ref if cfg.beta != 0 else None, inputs["is_ratio"], inputs["weight"], cfg
-    )
-    check_grad(out, exact_grad(p, z, c, others, ids, g, inputs["entropy_weight"], tau), dtype)
+    check_grad(out, expected, dtype)
     return out
 
 
@@ -358,10 +344,9 @@ def test_row_grad_in_place(dtype):
     x = make_logits(values, dtype, "time_slice")
     ids = make_ids(2, 3, 5000, gen)
     g, h = randn(gen, 2, 3), randn(gen, 2, 3)
-    _exact_lp, _exact_h, p, z, c, others = exact_rows(x, ids, 1.0)
-    expected = exact_grad(p, z, c, others, ids, g, h, 1.0)
-    _, entropy, state = triton_logits.row_stats(x, ids, 1.0)
-    triton_logits.row_grad(x, ids, state, entropy, g, h, 1.0, x)
+    expected = exact_grad(exact_rows(x, ids, 1.0)[2], g, h)
+    _, _, state = triton_logits.row_stats(x, ids, 1.0)
+    triton_logits.row_grad(x, ids, state, g, h, 1.0, x)
     check_grad(x, expected, dtype)
 
 
@@ -380,11 +365,11 @@ def test_fused_every_loss_type(dtype, loss_type, options):
     full = options == "everything"
     kwargs = {"loss_type": loss_type, "temperature": 0.8 if full else 1.0}
     if full:
-        kwargs.update(beta=0.04, use_bias_correction_kl=True)
+        kwargs.update(beta=0.04, use_bias_correction_kl=True, entropy_coef=0.01)
         kwargs.update(delta=1.5 if loss_type in CLIPPED_LOSS_TYPES else None)
         kwargs.update(epsilon_high=1.2 if loss_type == "cispo" else 0.28)  # cispo: an absolute cap that binds
     cfg = LossConfig(**kwargs)
-    inputs = token_inputs(batch, length, gen, old=full, ref=full, ratio=full, ent=full, per_token_adv=full)
+    inputs = token_inputs(batch, length, gen, old=full, ref=full, ratio=full, per_token_adv=full)
     run_fused(x, ids, cfg, inputs)
 
 
@@ -408,7 +393,7 @@ def test_fused_ratio_exactly_at_clip_edges(dtype, options):
     gen = torch.Generator().manual_seed(8)
     x = make_logits(2 * torch.randn(3, 2, 40, generator=gen, dtype=torch.float64), dtype, "contiguous")
     ids = make_ids(3, 2, 40, gen)
-    inputs = token_inputs(3, 2, gen, old=False, ref=False, ratio=False, ent=False)
+    inputs = token_inputs(3, 2, gen, old=False, ref=False, ratio=False)
     inputs["advantages"] = torch.tensor([[1.5], [0.0], [-0.7]], device=DEVICE).expand(3, 2)
     run_fused(x, ids, LossConfig(**options), inputs)
 
@@ -419,7 +404,7 @@ def test_fused_in_place_two_tiles(dtype):
     gen = torch.Generator().manual_seed(9)
     x = make_logits(3 * torch.randn(2, 2, 5000, generator=gen, dtype=torch.float64), dtype, "batch_pad")
     ids = make_ids(2, 2, 5000, gen)
-    cfg = LossConfig(loss_type="bnpo", beta=0.1, temperature=0.7)
+    cfg = LossConfig(loss_type="bnpo", beta=0.1, temperature=0.7, entropy_coef=0.01)
     run_fused(x, ids, cfg, token_inputs(2, 2, gen), out=x)
 
 
@@ -463,27 +448,6 @@ def test_fused_nan_propagates_and_masked_tokens_are_zero():
     assert (out[1, 2] == 0).all()
     finite_rows = [(0, 1), (1, 0), (1, 1)]
     assert all(torch.isfinite(out[r]).all() for r in finite_rows)
-
-
-def test_fused_rejects_what_it_cannot_do():
-    x = torch.zeros(1, 2, 8, device=DEVICE)
-    ids = torch.zeros(1, 2, dtype=torch.int64, device=DEVICE)
-    one = torch.ones(1, 2, device=DEVICE)
-    common = {
-        "advantages": one,
-        "old_logp": None,
-        "ref_logp": None,
-        "is_ratio": None,
-        "weight": one,
-        "entropy_weight": None,
-    }
-    for cfg in (LossConfig(loss_type="vespo"), LossConfig(importance_sampling_level="sequence")):
-        with pytest.raises(ValueError, match="token-level"):
-            triton_logits.fused_token_grad(x, ids, 1.0, cfg=cfg, out=torch.empty_like(x), **common)
-    with pytest.raises(ValueError, match="ref_logp"):
-        triton_logits.fused_token_grad(x, ids, 1.0, cfg=LossConfig(beta=0.1), out=torch.empty_like(x), **common)
-    with pytest.raises(ValueError, match="row_state"):
-        triton_logits.row_grad(x, ids, one, one, one, None, 1.0, torch.empty_like(x))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -535,19 +499,17 @@ def test_property_rows_and_fused(problem):
         # Such rows stay on-policy without a KL, as tests/oracle_check.py does for extreme logits.
         flags["old"], opts["beta"] = False, 0.0
     cfg = LossConfig(temperature=tau, **opts)
-    inputs = token_inputs(batch, length, gen, ref=cfg.beta != 0, ent=cfg.entropy_coef != 0, **flags)
+    inputs = token_inputs(batch, length, gen, ref=cfg.beta != 0, **flags)
     run_fused(x, ids, cfg, inputs, out=out)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Vocabulary shards: the Triton shard partials against vocab_parallel's torch ones (single process, no collective)
+# Vocabulary shards: the Triton shard partials against torch_rows' (single process, no collective)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["contiguous", "time_slice", "row_pad"])
 def test_shard_partials_match_the_torch_partials(dtype, layout):
-    from grpo_kernels.vocab_parallel import shard_partials as torch_partials
-
     gen = torch.Generator().manual_seed(5)
     batch, length, vocab, offset = 2, 3, 40, 40  # the shard [40, 80) of a 120-id vocabulary
     values = randn(gen, batch, length, vocab) * 3
@@ -557,10 +519,37 @@ def test_shard_partials_match_the_torch_partials(dtype, layout):
     x = make_logits(values, dtype, layout)
     for temperature in (1.0, 0.7):
         got = triton_logits.shard_partials(x, ids, offset, temperature)
-        want = torch_partials(x.float(), ids, offset, temperature)  # the torch partials of the same rounded values
+        want = torch_rows.shard_partials(x.float(), ids, offset, temperature)  # the torch partials of the same rounded values
         assert got.shape == (batch, length, 5)
         torch.testing.assert_close(got, want, rtol=2e-6, atol=0.0)
         # target logit −inf: outside the shard (ids 3, 119), or the all −inf row
         outside = torch.tensor([[False, True, False], [False, True, True]], device=DEVICE)
         assert torch.equal(torch.isinf(got[..., 3]), outside)
         assert torch.isinf(got[1, 2, 0]) and got[1, 2, 1:3].eq(0).all() and got[1, 2, 4] == 0  # adds nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shard_state_merged_then_row_grad(dtype):
+    """Two vocabulary shards: each shard's partials, merged (vocab_parallel.merge_partials) into the shared row state,
+    then row_grad with shard-local ids writes each shard's gradient: the whole-vocabulary oracle's, piece by piece."""
+    from grpo_kernels.vocab_parallel import merge_partials
+
+    gen = torch.Generator().manual_seed(12)
+    values = 3 * torch.randn(2, 3, 70, generator=gen, dtype=torch.float64)
+    values[1, 1, 40:] = -math.inf  # one row whose second shard is all padding
+    x = make_logits(values, dtype, "contiguous")
+    ids = make_ids(2, 3, 40, gen)
+    ids[0, 0] = 55  # a target in the second shard
+    g, h = randn(gen, 2, 3), randn(gen, 2, 3)
+    shards = [(x[..., :40], 0), (x[..., 40:], 40)]
+    parts = torch.stack([triton_logits.shard_partials(s, ids, off, 0.9) for s, off in shards])
+    logp, entropy, state = merge_partials(parts, 0.9)
+    exact_lp, exact_h, graph = exact_rows(x, ids, 0.9)
+    check_stats("logp", logp, exact_lp, dtype)
+    check_stats("entropy", entropy, exact_h, dtype)
+    out = torch.cat([nan_out_like(s.contiguous(), "contiguous") for s, _ in shards], -1)
+    for (s, off), piece in zip(shards, (out[..., :40], out[..., 40:])):
+        buffer = nan_out_like(s.contiguous(), "contiguous")
+        triton_logits.row_grad(s, ids - off, state, g, h, 0.9, buffer)
+        piece.copy_(buffer)
+    check_grad(out, exact_grad(graph, g, h), dtype)

@@ -1,0 +1,50 @@
+"""The one place a backend is chosen: `pick_backend` for the logits path, `pick_linear_backend` for fused-linear.
+
+Both return objects typed by the protocols of ops/rows.py. The Triton modules are imported only when picked, so a
+machine without Triton (or without CUDA) never imports them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import BACKENDS
+from .ops.rows import LinearBackend, RowBackend
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA, "torch" elsewhere; ValueError for an unknown name or Triton without CUDA."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {device.type}); on a CPU it runs only under the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before importing triton), or use backend='torch'"
+        )
+    return name
+
+
+def pick_backend(device: torch.device, name: str = "auto") -> RowBackend:
+    """The logits-path row backend for tensors on `device`."""
+    if resolve_backend_name(name, device) == "torch":
+        from .ops import torch_rows
+
+        return torch_rows
+    from .ops import triton_logits
+
+    return triton_logits
+
+
+def pick_linear_backend(device: torch.device, name: str = "auto") -> LinearBackend:
+    """The fused-linear tile backend for `device`: the same name and device rules as `pick_backend`."""
+    if resolve_backend_name(name, device) == "torch":
+        from .ops import linear_torch
+
+        return linear_torch
+    from .ops import linear_triton
+
+    return linear_triton

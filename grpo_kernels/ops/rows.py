@@ -1,0 +1,122 @@
+"""The row-backend interface: what every logits backend offers the loss, and the one per-row state they share.
+
+A backend is a module (`ops/torch_rows.py`, `ops/triton_logits.py`, ...) or an object with these names;
+`grpo_kernels.dispatch.pick_backend` returns one, typed as `RowBackend`, so the api -> kernel edge is visible to a
+reader and to a type checker. The fused-linear backends (`ops/linear_torch.py`, `ops/linear_triton.py`) follow
+`LinearBackend`.
+
+Row state, [B, T, ROW_STATE_WIDTH] float32, contiguous, the same for every backend. Per row, with x the raw logits,
+m = max_v x_v, z'_v = (x_v − m)/τ (<= 0) and e_v = exp(z'_v):
+    [..., 0]  m          the raw row maximum (not divided by τ)
+    [..., 1]  s          log Σ_v e_v                      (so lse = m/τ + s, p_v = exp(z'_v − s), ℓ = z'_y − s)
+    [..., 2]  q          1 − p_y = Σ_{v≠y} e_v / Σ_v e_v   (summed over the other tokens: exact for a peaked row)
+    [..., 3]  c          Σ_v p_v z'_v                     (so H = s − c)
+Natural-log units. A backend that computes in base 2 (the Triton kernels use exp2) converts at its launcher. The
+row state of a vocabulary shard's merged statistics (vocab_parallel) has the same layout, over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ..config import LossConfig
+
+ROW_STATE_WIDTH = 4
+SHARD_PARTIALS_WIDTH = 5  # (m, Σe, Σe·z', raw target logit or −inf, Σ_{v≠y} e) of one shard row: see shard_partials
+
+
+def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized row state of the shape every backend's `row_stats` returns (torch.compile's fake kernel)."""
+    return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=torch.float32, device=device)
+
+
+class FusedTokenGrad(Protocol):
+    """The one-read fused pass of the token-level losses (`LossConfig.is_fused`): ℓ, H, the token coefficient
+    g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy), each [B, T] float32; writes `out`."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        temperature: float,
+        *,
+        advantages: torch.Tensor,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        is_ratio: torch.Tensor | None,
+        weight: torch.Tensor,
+        entropy_weight: torch.Tensor | None,
+        cfg: LossConfig,
+        out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RowBackend(Protocol):
+    """The vocabulary-wide work of the logits path. Inputs are trusted: the public functions validated them.
+
+    `fused_token_grad` is None for a backend without the one-read pass; the loss then runs `row_stats`, the
+    O(B·T) objective and `row_grad` (two reads of each row).
+    """
+
+    fused_token_grad: FusedTokenGrad | None
+
+    def row_stats(
+        self, logits: torch.Tensor, ids: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, row_state): logp, entropy [B, T] float32, row_state in this module's layout."""
+        ...
+
+    def row_grad(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        row_state: torch.Tensor,
+        g: torch.Tensor,
+        h: torch.Tensor | None,
+        temperature: float,
+        out: torch.Tensor,
+    ) -> None:
+        """out = (g·(onehot(y) − p) − h·p·(z' − c)) / τ, in out's dtype; `out` may be `logits` itself. An id outside
+        [0, V) (a target in another vocabulary shard) contributes no one-hot."""
+        ...
+
+    def shard_partials(self, logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
+        """[B, T, SHARD_PARTIALS_WIDTH] float32 partials of the vocabulary shard [offset, offset + V); `ids` global."""
+        ...
+
+
+# The fused-linear tile drivers: `merge` and `reduce_dx` are the vocabulary-parallel hooks (None: one process).
+MergeHook = Callable[[Any], Any]
+ReduceHook = Callable[[torch.Tensor], Any]
+
+
+class LinearBackend(Protocol):
+    """The vocabulary-tile work of `fused_linear_grpo_loss` (ℓ, H, lse, then the gradients of hidden, W, b)."""
+
+    def stats(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ids: torch.Tensor,
+        temperature: float,
+        merge: MergeHook | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def grads(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ids: torch.Tensor,
+        lse: torch.Tensor,
+        entropy: torch.Tensor,
+        g: torch.Tensor,
+        h: torch.Tensor | None,
+        temperature: float,
+        needs: tuple[bool, ...],
+        reduce_dx: ReduceHook | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
