@@ -17,7 +17,7 @@ from .dispatch import pick_linear_backend
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, grpo_objective
 from .ops.rows import LinearBackend
-from .validation import LOGITS_DTYPES, check_ids, check_ids_range, token_inputs
+from .validation import check_ids, check_ids_range, check_rows_tensor, token_inputs
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -30,18 +30,11 @@ def _check_zero3(name: str, x: Any) -> None:
 
 
 def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
-    if type(hidden).__name__ == "DTensor":
+    if isinstance(hidden, torch.Tensor) and type(hidden).__name__ == "DTensor":
         raise TypeError("hidden must be a plain (local) tensor, got a DTensor; pass hidden.to_local() or full_tensor()")
     _check_zero3("weight", weight)
     _check_zero3("bias", bias)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be 3-D (B, T, H), got {hidden.dim()}-D with shape {tuple(hidden.shape)}")
-    if hidden.dtype not in LOGITS_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if min(hidden.shape) == 0:
-        raise ValueError(f"hidden must have B, T, H >= 1, got shape {tuple(hidden.shape)}")
+    check_rows_tensor("hidden", hidden, "H")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] == 0:

@@ -32,15 +32,21 @@ def check_float(name: str, x: torch.Tensor) -> torch.Tensor:
     return x.detach().double()
 
 
+def check_rows_tensor(name: str, x: Any, last: str) -> torch.Tensor:
+    """A non-empty (B, T, `last`) float32/bfloat16/float16 tensor: the logits, or fused-linear's hidden states."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be 3-D (B, T, {last}), got {x.dim()}-D with shape {tuple(x.shape)}")
+    if x.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if min(x.shape) == 0:
+        raise ValueError(f"{name} must have B, T, {last} >= 1, got shape {tuple(x.shape)}")
+    return x
+
+
 def check_logits(logits: Any) -> torch.Tensor:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be 3-D (B, T, V), got {logits.dim()}-D with shape {tuple(logits.shape)}")
-    if logits.dtype not in LOGITS_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-    if min(logits.shape) == 0:
-        raise ValueError(f"logits must have B, T, V >= 1, got shape {tuple(logits.shape)}")
+    logits = check_rows_tensor("logits", logits, "V")
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         raise ValueError(
             f"logits must have a unit stride along the vocabulary (got strides {logits.stride()}); "

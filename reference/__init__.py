@@ -1,4 +1,4 @@
-"""The one pure-PyTorch float64 oracle of the GRPO loss family (shared/GRPO_SPEC.md); tests and benchmarks import it."""
+"""The one pure-PyTorch float64 oracle of the GRPO loss family (docs/loss.md); tests and benchmarks import it."""
 
 from reference.grpo import (
     ReferenceOutput,

@@ -1,9 +1,9 @@
-"""The float64 oracle of the GRPO loss family: shared/GRPO_SPEC.md written out as plain PyTorch, one line per rule.
+"""The float64 oracle of the GRPO loss family: docs/loss.md written out as plain PyTorch, one line per rule.
 
 Tests and benchmarks compare every backend with this file; tests/reference checks it against TRL 1.16's own
 `GRPOTrainer._compute_loss` to 1e-10. It is written to be read, not to be fast.
 
-Where GRPO_SPEC.md and TRL 1.16 (`trl/trainer/grpo_trainer.py`) disagree, this file follows TRL (TRL wins):
+Where docs/loss.md and TRL 1.16 (`trl/trainer/grpo_trainer.py`) disagree, this file follows TRL (TRL wins):
 
 1. sapo's temperatures and vespo's (k, λ) are built by TRL with `torch.where(cond, python_float, python_float)`,
    which yields float32: TRL's τ_neg is float32(1.05) = 1.0499999523..., not 1.05. We round the same way
@@ -164,9 +164,9 @@ def reference_grpo_loss(
     entropy_coef: float = 0.0,
     world_size: int = 1,
 ) -> ReferenceOutput:
-    """The GRPO loss family of GRPO_SPEC.md (TRL 1.16 `GRPOTrainer._compute_loss`), in float64.
+    """The GRPO loss family of docs/loss.md (TRL 1.16 `GRPOTrainer._compute_loss`), in float64.
 
-    Args: as `grpo_kernels.grpo_loss` (see GRPO_SPEC.md, Inputs), plus `world_size` P, which only divides the
+    Args: as `grpo_kernels.grpo_loss` (see docs/loss.md, Inputs), plus `world_size` P, which only divides the
     dapo/cispo/vespo normalizer. Gradients flow only into `logits`; every other tensor is a constant.
     Returns:
         ReferenceOutput(loss 0-d, logp (B, T), entropy (B, T), metrics named as TRL logs them).

@@ -1,4 +1,4 @@
-"""One harness to hold any backend against the float64 oracle, with GRPO_SPEC's tolerances in one table."""
+"""One harness to hold any backend against the float64 oracle, with the tolerances of docs/loss.md in one table."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from grpo_kernels import grpo_loss
 from reference import reference_grpo_loss
 
-# GRPO_SPEC "Tolerances the tests hold", per logits dtype.
+# docs/loss.md "Tolerances", per logits dtype.
 #   loss_rtol/loss_atol: loss, logp, entropy and metrics against the oracle.
 #   grad_rtol_of_max (fp32): every ∂logits element within this fraction of max|∂logits|.
 #   grad_ulps (bf16/fp16): every element within this many ulps of the storage dtype of the exact value (two when

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("nan_empty")  # an output element a kernel 
 BACKENDS = ["torch", "triton"]  # the CPU tiles; the Triton folds (interpreted here, compiled on a GPU)
 PRODUCTION_TILES = {mod: (mod.TILE_ELEMENTS, mod.MIN_VOCAB_TILE) for mod in (linear_torch, linear_triton)}
 
-# Bounds from shared/GRPO_SPEC.md. fp32: loss/ℓ/H 1e-5 relative (1e-6 absolute); gradients 1e-5 of their max.
+# Bounds from docs/loss.md, "Tolerances". fp32: loss/ℓ/H 1e-5 relative (1e-6 absolute); gradients 1e-5 of their max.
 # Half inputs: loss/ℓ/H 1e-4 relative; gradients element by element within `_half_grad_bound` (see there).
 TOLERANCES = {
     torch.float32: dict(rtol=1e-5, atol=1e-6, grad_rel_max=1e-5),

@@ -313,7 +313,7 @@ def _dense_grads(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The backend interface used by fused_linear
+# The LinearBackend interface (ops/rows.py) used by fused_linear
 
 
 def stats(

@@ -4,9 +4,9 @@ The tile loop is `linear_torch`'s driver; here only the per-tile element-wise wo
 pass 1, the logits gradient in pass 2) runs as Triton kernels, and dz is rounded to the inputs' dtype so that the
 two gradient GEMMs run on the tensor cores (accumulating in fp32).
 
-Design: cuBLAS tiles + Triton folds, not one fused tl.dot kernel (Cut Cross-Entropy style). The issue asks for the
-choice by measurement; no GPU was available while writing this, so the measurement is pending
-(`benchmarks/bench_linear.py` records it) and the choice rests on this arithmetic for H = 4096, V = 151936:
+Design: cuBLAS tiles + Triton folds, not one fused tl.dot kernel (Cut Cross-Entropy style). The choice is to be
+confirmed by measurement (`benchmarks/bench_linear.py` records it on a GPU); until then it rests on this arithmetic
+for H = 4096, V = 151936:
 - The four GEMMs of a step (the logits in pass 1; the logits again, ∂hidden and ∂weight in pass 2) are
   2·N·V·H FLOPs each and compute bound; cuBLAS runs them near peak on every architecture, bf16 in and fp32 out,
   with no tuning. A tl.dot kernel has to match that across H100/H200 and Triton 3.6/3.9 with autotuned tiles, which
@@ -22,8 +22,7 @@ If the measurement shows the round trip matters (small H), the fused kernel is t
 interface is where it would plug in.
 
 Expected time against materialized logits (3 GEMMs + the logits-path loss): the recompute makes it 4 GEMMs, so
-~1.3x on a batch where every token carries gradient; the issue's 1.15x target then needs the pass-2 savings
-below. Pass 2 skips rows whose coefficients are exactly 0 (padding, zero-advantage groups without KL: often a third
+~1.3x on a batch where every token carries gradient; a 1.15x target then needs the pass-2 savings below. Pass 2 skips rows whose coefficients are exactly 0 (padding, zero-advantage groups without KL: often a third
 of a GRPO batch), and the ∂weight GEMM when the head is frozen (PEFT); pass 1 always covers every row, since ℓ and H
 are outputs.
 """
@@ -35,6 +34,8 @@ import triton
 import triton.language as tl
 
 from .linear_torch import MergeStats, ReduceGrad, RowStats, plan_tiles, run_grads, run_stats
+
+# A LinearBackend (ops/rows.py): `stats` and `grads` below, over linear_torch's tile driver.
 
 # One fp32 logits tile holds 2^25 elements (128 MiB, plus 64 MiB of bf16 dz in pass 2): at B·T = 8192 that is an
 # [8192 x H] @ [H x 4096] GEMM (compute bound on an H100/H200) and 38 tiles for V = 151936; at B·T = 32768 the tile

@@ -9,6 +9,9 @@ The per-token objective of the token-level losses is written a second time here,
 the one justified copy of loss_math's math, because the fused pass must form g = ∂loss/∂ℓ between its two reads
 of a row. tests/ops/test_triton_rows.py holds it to the float64 oracle in reference/.
 
+Over 400 lines on purpose: one file per algorithm (the logits path), its four kernels sharing the row scan and the
+gradient store, next to the launchers that size their grids.
+
 Precision (docs/loss.md: fp32 results within 1e-5 of float64, bf16/fp16 gradients within one ulp):
 - every logit is taken relative to the raw row maximum m, z' = (x − m)/τ, never as x/τ − lse: for logits of size
   1e4 an fp32 lse alone is off by 1e-3, which would shift every probability by 1e-3;

@@ -107,7 +107,7 @@ def exact_loss_grad(x, ids, cfg: LossConfig, inputs: dict, old, ref) -> torch.Te
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Checks (bounds: GRPO_SPEC via tests/oracle_check.TOLERANCES)
+# Checks (bounds: docs/loss.md, "Tolerances", via tests/oracle_check.TOLERANCES)
 
 
 def check_stats(name: str, ours: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> None:
