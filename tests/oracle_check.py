@@ -9,6 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from grpo_kernels import grpo_loss
+from grpo_kernels.config import CLIPPED_LOSS_TYPES, FUSED_LOSS_TYPES, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 from reference import reference_grpo_loss
 
 # docs/loss.md "Tolerances", per logits dtype.
@@ -90,9 +91,6 @@ class Case:
         return full[:, 1 : length + 1]  # a strided view, as trainers slice full[:, -T-1:-1]
 
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
-
-
 @st.composite
 def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab=300, token_level_only=False):
     seed = draw(st.integers(0, 2**31 - 1))
@@ -114,7 +112,7 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
     ids = torch.randint(0, usable, (batch, length), generator=gen)
 
     options: dict = {}
-    loss_type = draw(st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"] if token_level_only else LOSS_TYPES))
+    loss_type = draw(st.sampled_from(FUSED_LOSS_TYPES if token_level_only else LOSS_TYPES))
     options["loss_type"] = loss_type
     if not token_level_only and draw(st.booleans()):
         options["importance_sampling_level"] = "sequence"
@@ -128,7 +126,7 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
     else:
         options["epsilon_low"] = draw(st.sampled_from([0.2, 0.1]))
         options["epsilon_high"] = draw(st.sampled_from([None, 0.28, 5.0] if loss_type == "cispo" else [None, 0.28]))
-        if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo") and draw(st.booleans()):
+        if loss_type in CLIPPED_LOSS_TYPES and draw(st.booleans()):
             options["delta"] = 1.5
 
     z64 = full.double() / options["temperature"]
@@ -184,7 +182,7 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
             options["top_entropy_quantile"] = 1.0 - (k + 0.5) / (active - 1)
     if draw(st.booleans()):
         options["entropy_coef"] = draw(st.sampled_from([0.01, 0.3]))
-    if loss_type in ("dapo", "cispo", "vespo") and draw(st.booleans()):
+    if loss_type in TOKEN_COUNT_LOSS_TYPES and draw(st.booleans()):
         options["num_items_in_batch"] = float(draw(st.integers(1, 20)))
     if loss_type == "dr_grpo" and draw(st.booleans()):
         options["max_completion_length"] = length + 3
