@@ -233,7 +233,8 @@ def grpo_loss(
         rows = ShardBackend(vocab_parallel_group, offset, vocab, rows)
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     inp = token_inputs(
-        logits, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
+        batch, length, logits.device,
+        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
     )  # fmt: skip
     if inplace_backward and logits.requires_grad and logits.is_leaf:

@@ -132,7 +132,7 @@ def compiled_grpo_loss(
     logits = check_logits(logits)
     batch, length, _ = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
-    inp = token_inputs(logits, *tensors, beta=cfg.beta, data_group=data_group)
+    inp = token_inputs(batch, length, logits.device, *tensors, beta=cfg.beta, data_group=data_group)
     logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
     loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
     return loss.float(), logp.detach(), entropy.detach(), metrics

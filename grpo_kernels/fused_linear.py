@@ -1,8 +1,8 @@
 """`fused_linear_grpo_loss`: the GRPO loss straight from hidden states and the lm_head weight, logits never stored.
 
-A call flows: validate once (the same checks as `grpo_loss`, validation.py) -> pass 1 over vocabulary tiles gives ℓ, H, lse per token
--> the float64 objective gives g = ∂loss/∂ℓ, h = ∂loss/∂H -> pass 2 recomputes the tiles and accumulates ∂hidden,
-∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients.
+A call flows: validate once (the same checks as `grpo_loss`, validation.py) -> pass 1 over vocabulary tiles gives
+ℓ, H, lse per token -> the float64 objective gives g = ∂loss/∂ℓ, h = ∂loss/∂H -> pass 2 recomputes the tiles and
+accumulates ∂hidden, ∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def fused_linear_grpo_loss(
     config: LossConfig | None = None,
     **options: Any,
 ) -> GRPOOutput:
-    """The GRPO loss family of `grpo_loss` (docs/loss.md) on logits = hidden @ weight.T + bias, without a (B·T, V) tensor.
+    """The GRPO loss family of `grpo_loss` (docs/loss.md) on logits = hidden @ weight.T + bias, without a (B·T, V)
+    tensor.
 
     The vocabulary is streamed in tiles twice: once for the log-probabilities and entropies (fp32 logits, online
     logsumexp), once, after the float64 objective gives each token's gradient coefficients, to accumulate the
@@ -170,7 +171,8 @@ def fused_linear_grpo_loss(
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     check_ids_range(ids, vocab)
     inp: TokenInputs = token_inputs(
-        hidden, advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
+        batch, length, hidden.device,
+        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
     )  # fmt: skip
     weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call

@@ -64,7 +64,9 @@ def check_ids(ids: Any, batch: int, length: int, device: torch.device) -> torch.
 
 
 def token_inputs(
-    logits: torch.Tensor,
+    batch: int,
+    length: int,
+    dev: torch.device,
     advantages: Any,
     completion_mask: Any,
     old_logp: Any,
@@ -75,8 +77,7 @@ def token_inputs(
     beta: float,
     data_group: Any = None,
 ) -> TokenInputs:
-    batch, length, _ = logits.shape
-    dev = logits.device
+    """The per-token tensors of a (batch, length) call on `dev`, checked and in float64, as one `TokenInputs`."""
     bt = ((batch, length),)
     adv = check_float("advantages", check_tensor("advantages", advantages, ((batch,), (batch, 1), (batch, length)), dev))
     if adv.dim() == 1:

@@ -448,7 +448,7 @@ def _num_programs(rows: int, row_bytes: int, two_pass: bool, device: torch.devic
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Launchers (inputs were validated at the public boundary; these assert shapes only)
+# Launch helpers (inputs were validated at the public boundary; the launchers assert shapes only)
 
 
 def _assert_rows(logits: torch.Tensor, ids: torch.Tensor, *bt: torch.Tensor | None) -> tuple[int, int, int]:
@@ -469,71 +469,11 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
 
 
-def _fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
-    batch, length, vocab = _assert_rows(logits, ids)
-    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
-    state = empty_row_state(batch, length, logits.device)
-    rows = batch * length
-    block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
-    row_stats_fwd_kernel[grid](
-        logits, ids, logp, entropy, state, rows, length, vocab,
-        logits.stride(0), logits.stride(1), ids.stride(0), ids.stride(1),
-        LOG2E / temperature,
-        BLOCK_V=block_v, num_warps=num_warps,
-    )  # fmt: skip
-    state[..., 1::2] *= LN2.value  # the kernel's log2 Σe and Σ p·z2 -> the shared layout's natural units
-    return logp, entropy, state
-
-
-def _bwd(logits, ids, state, g, h, temperature, out) -> None:
-    batch, length, vocab = _assert_rows(logits, ids, g, h)
-    assert state.shape == (batch, length, ROW_STATE_WIDTH) and state.dtype == torch.float32, state.shape
-    _assert_out(out, logits)
-    kernel_state = state.contiguous().clone()
-    kernel_state[..., 1::2] /= LN2.value  # natural units -> the kernel's log2 ones
-    rows = batch * length
-    block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
-    row_stats_bwd_kernel[grid](
-        logits, ids, kernel_state, g, h, out, rows, length, vocab,
-        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
-        *_strides(g), *_strides(h),
-        LOG2E / temperature, 1.0 / temperature,
-        BLOCK_V=block_v, num_warps=num_warps,
-    )  # fmt: skip
-
-
 LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
 
 
-def _fused_fwd(logits, ids, temperature, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight, cfg, out):
-    batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight)
-    assert cfg.is_fused and (ref_logp is not None) == (cfg.beta != 0.0), (cfg, ref_logp is None)
-    _assert_out(out, logits)
-    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
-    rows = batch * length
-    block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
-    fused_token_grad_fwd_kernel[grid](
-        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight,
-        rows, length, vocab,
-        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
-        *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(is_ratio),
-        *_strides(weight), *_strides(entropy_weight),
-        LOG2E / temperature, 1.0 / temperature,
-        1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
-        cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
-        LOSS=LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,
-        BLOCK_V=block_v, num_warps=num_warps,
-    )  # fmt: skip
-    return logp, entropy
-
-
 # ------------------------------------------------------------------------------------------------------------------
-# The RowBackend interface (ops/rows.py)
+# The launchers: the RowBackend interface (ops/rows.py)
 
 
 def row_stats(
@@ -553,11 +493,25 @@ def row_stats(
     Example:
         >>> logp, entropy, state = row_stats(logits, ids, 1.0)
     """
-    return _fwd(logits, ids, temperature)
+    batch, length, vocab = _assert_rows(logits, ids)
+    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    state = empty_row_state(batch, length, logits.device)
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
+    row_stats_fwd_kernel[grid](
+        logits, ids, logp, entropy, state, rows, length, vocab,
+        logits.stride(0), logits.stride(1), ids.stride(0), ids.stride(1),
+        LOG2E / temperature,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    state[..., 1::2] *= LN2.value  # the kernel's log2 Σe and Σ p·z2 -> the shared layout's natural units
+    return logp, entropy, state
 
 
 def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
-    """The per-row partials of one vocabulary shard, [B, T, 5] float32, as vocab_parallel.shard_partials computes
+    """The per-row partials of one vocabulary shard, [B, T, 5] float32, as torch_rows.shard_partials computes
     them in torch ops: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e), e = exp(z'),
     z' = (x − m)/τ. One read of the shard; `ids` are global, the shard holds [offset, offset + V)."""
     batch, length, vocab = _assert_rows(logits, ids)
@@ -592,7 +546,21 @@ def row_grad(
         out: [B, T, V] in the logits' dtype, unit vocabulary stride; may be `logits` itself (in-place gradient:
             each tile is read before it is overwritten).
     """
-    _bwd(logits, ids, row_state, g, h, temperature, out)
+    batch, length, vocab = _assert_rows(logits, ids, g, h)
+    assert row_state.shape == (batch, length, ROW_STATE_WIDTH) and row_state.dtype == torch.float32, row_state.shape
+    _assert_out(out, logits)
+    kernel_state = row_state.contiguous().clone()
+    kernel_state[..., 1::2] /= LN2.value  # natural units -> the kernel's log2 ones
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    row_stats_bwd_kernel[grid](
+        logits, ids, kernel_state, g, h, out, rows, length, vocab,
+        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
+        *_strides(g), *_strides(h),
+        LOG2E / temperature, 1.0 / temperature,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def fused_token_grad(
@@ -623,6 +591,24 @@ def fused_token_grad(
     Returns:
         (logp, entropy), each [B, T] float32.
     """
-    return _fused_fwd(
-        logits, ids, temperature, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight, cfg, out
-    )
+    batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight)
+    assert cfg.is_fused and (ref_logp is not None) == (cfg.beta != 0.0), (cfg, ref_logp is None)
+    _assert_out(out, logits)
+    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    rows = batch * length
+    block_v, num_warps = _block_config(vocab)
+    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    fused_token_grad_fwd_kernel[grid](
+        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight,
+        rows, length, vocab,
+        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
+        *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(is_ratio),
+        *_strides(weight), *_strides(entropy_weight),
+        LOG2E / temperature, 1.0 / temperature,
+        1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
+        cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
+        LOSS=LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return logp, entropy
