@@ -16,17 +16,33 @@ from .compile_op import compiled_grpo_loss
 from .config import LossConfig, make_config
 from .dispatch import pick_backend
 from .distributed import check_group, resolve_data_group
-from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
+from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective, per_token_objective
 from .ops.rows import RowBackend
 from .validation import check_ids, check_ids_range, check_logits, token_inputs
 from .vocab_parallel import ShardBackend, shard_offset
 
 
+REDUCTIONS = ("loss_type", "none")
+AGGREGATE_ONLY_OPTIONS = ("entropy_coef", "num_items_in_batch", "max_completion_length")
+
+
+def check_per_token_config(cfg: LossConfig) -> None:
+    """reduction="none" refuses, by name, the options that only have a meaning for the aggregated loss."""
+    for name in AGGREGATE_ONLY_OPTIONS:
+        value = getattr(cfg, name)
+        if value not in (None, 0.0):
+            raise ValueError(
+                f"{name}={value!r} only applies to the aggregated loss and cannot be used with reduction='none' "
+                "(aggregate the per-token loss yourself, or use the default reduction)"
+            )
+
+
 @dataclass
 class GRPOOutput:
-    """What `grpo_loss` returns. `metrics` holds detached 0-d tensors under TRL's names (no host sync)."""
+    """What `grpo_loss` returns. `metrics` holds detached 0-d tensors under TRL's names (no host sync). Dtypes are
+    float32, float64 for float64 inputs."""
 
-    loss: torch.Tensor  # 0-d, differentiable w.r.t. logits
+    loss: torch.Tensor  # 0-d (reduction="none": [B, T] per token), differentiable w.r.t. logits
     logp: torch.Tensor  # [B, T] float32, detached
     entropy: torch.Tensor  # [B, T] float32, detached
     metrics: dict[str, torch.Tensor]
@@ -78,8 +94,8 @@ def forward_rows(
         loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
     if out is not None:
         grads = torch.autograd.grad(loss, [lp, ent] if ent.requires_grad else [lp])
-        h = grads[1].float() if len(grads) > 1 else None
-        backend.row_grad(logits, ids, row_state, grads[0].float(), h, cfg.temperature, out)
+        h = grads[1].to(logp.dtype) if len(grads) > 1 else None
+        backend.row_grad(logits, ids, row_state, grads[0].to(logp.dtype), h, cfg.temperature, out)
     return loss.detach(), logp, entropy, metrics
 
 
@@ -93,7 +109,7 @@ class _GRPOLossFunction(torch.autograd.Function):
         metrics_out.update(metrics)
         ctx.grad_logits = out
         ctx.mark_non_differentiable(logp, entropy)
-        return loss.to(torch.float32), logp, entropy
+        return loss.to(logp.dtype), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):  # type: ignore[override]
@@ -110,6 +126,42 @@ class _GRPOLossFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+class _PerTokenLossFunction(torch.autograd.Function):
+    """reduction="none": the row statistics and the float64 per-token objective in the forward; in the backward,
+    the objective's vector-Jacobian product with the upstream [B, T] gradient gives g = ∂(Σ u·L)/∂ℓ, then one
+    gradient pass of the row backend (the loss does not depend on H but through the detached entropy mask: h = 0)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, cfg, backend, inp, inplace, metrics_out):  # type: ignore[override]
+        logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
+        with torch.enable_grad():
+            lp = logp.double().requires_grad_(ctx.needs_input_grad[0])
+            per_token, metrics = per_token_objective(lp, entropy.double(), inp, cfg)
+        metrics_out.update(metrics)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(logits, ids, row_state)
+            ctx.graph = (lp, per_token)  # the O(B·T) float64 graph, differentiated in the backward
+        ctx.cfg, ctx.backend, ctx.inplace = cfg, backend, inplace
+        ctx.mark_non_differentiable(logp, entropy)
+        return per_token.detach().to(logp.dtype), logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):  # type: ignore[override]
+        if getattr(ctx, "graph", None) is None:
+            raise RuntimeError("grpo_loss(reduction='none'): backward called a second time (retain_graph is not supported)")
+        logits, ids, row_state = ctx.saved_tensors
+        lp, per_token = ctx.graph
+        ctx.graph = None
+        if per_token.requires_grad:
+            (g,) = torch.autograd.grad(per_token, lp, grad_loss.to(per_token.dtype), allow_unused=True)
+        else:  # e.g. every token masked: L is the constant 0
+            g = None
+        g = torch.zeros_like(row_state[..., 0]) if g is None else g.to(row_state.dtype)
+        out = logits if ctx.inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        ctx.backend.row_grad(logits, ids, row_state, g, None, ctx.cfg.temperature, out)
+        return out, None, None, None, None, None, None
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, temperature, backend):  # type: ignore[override]
@@ -121,8 +173,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
         logits, ids, row_state = ctx.saved_tensors
-        g = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) if grad_logp is None else grad_logp.float()
-        h = None if grad_entropy is None else grad_entropy.float()
+        dtype = row_state.dtype
+        g = torch.zeros(ids.shape, dtype=dtype, device=ids.device) if grad_logp is None else grad_logp.to(dtype)
+        h = None if grad_entropy is None else grad_entropy.to(dtype)
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         ctx.backend.row_grad(logits, ids, row_state, g, h, ctx.temperature, out)
         return out, None, None, None
@@ -138,17 +191,19 @@ def selective_log_softmax(
     """Log-probability of each chosen token and the entropy of each row, without a full log_softmax.
 
     Args:
-        logits: [B, T, V] float32/bfloat16/float16; any batch and time strides, unit vocabulary stride.
+        logits: [B, T, V] float32/bfloat16/float16/float64 (float64: the torch path, computed in float64); any batch
+            and time strides, unit vocabulary stride.
         completion_ids: [B, T] int32/int64 in [0, V).
         temperature: τ > 0; the distribution is softmax(logits / τ).
     Returns:
-        (logp, entropy), each [B, T] float32, differentiable w.r.t. `logits` through both.
+        (logp, entropy), each [B, T] float32 (float64 for float64 logits), differentiable w.r.t. `logits` through
+        both.
     """
     logits = check_logits(logits)
     batch, length, vocab = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
     temperature = LossConfig(temperature=temperature).temperature
-    rows = pick_backend(logits.device, backend)
+    rows = pick_backend(logits.device, backend, logits.dtype)
     check_ids_range(ids, vocab)
     return _SelectiveLogSoftmax.apply(logits, ids, temperature, rows)
 
@@ -164,6 +219,7 @@ def grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     sampling_logp: torch.Tensor | None = None,
     inplace_backward: bool = False,
+    reduction: str = "loss_type",
     backend: str = "auto",
     vocab_parallel_group: Any = None,
     data_parallel_group: Any = None,
@@ -174,7 +230,8 @@ def grpo_loss(
     logits, with its gradient.
 
     Args:
-        logits: [B, T, V] float32/bfloat16/float16, `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
+        logits: [B, T, V] float32/bfloat16/float16/float64 (float64: the torch path, computed in float64; the
+            outputs are then float64), `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
         completion_ids: [B, T] int32/int64 in [0, V).
         advantages: [B], [B, 1] or [B, T].
@@ -185,7 +242,12 @@ def grpo_loss(
         sampling_logp: [B, T] sampler log-probs for the off-policy mask (default old_logp).
         inplace_backward: write ∂loss/∂logits into the logits buffer itself (zero extra V-wide memory). The logits
             are overwritten during the forward and autograd's version counter is bypassed: use it only when nothing
-            else reads these logits afterwards.
+            else reads these logits afterwards. With reduction="none" the gradient is written there in the backward.
+        reduction: "loss_type" (default) aggregates as the loss type prescribes (docs/loss.md, "Aggregation") into a
+            0-d loss; "none" returns the per-token loss L [B, T] (after the clip, the masks and ρ, plus β·KL; 0 at
+            masked tokens), differentiable with any upstream gradient [B, T], for trainers that aggregate it
+            themselves. entropy_coef, num_items_in_batch and max_completion_length exist only aggregated and are
+            refused with "none".
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         vocab_parallel_group: a torch.distributed group over which the vocabulary is sharded (Megatron-style
             tensor-parallel lm_head): `logits` is this rank's contiguous shard [B, T, V_rank], shards in rank order,
@@ -201,7 +263,7 @@ def grpo_loss(
             vespo_k_pos/neg, vespo_lambda_pos/neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef
             (see `LossConfig`; defaults as in TRL's GRPOConfig). Validated once, here, into one `LossConfig`.
     Returns:
-        GRPOOutput(loss, logp, entropy, metrics).
+        GRPOOutput(loss, logp, entropy, metrics); `loss` is [B, T] with reduction="none".
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)
@@ -209,7 +271,11 @@ def grpo_loss(
         >>> out = grpo_loss(logits, ids, advantages=torch.tensor([1.0, -1.0]))
         >>> out.loss.backward()
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if torch.compiler.is_compiling():
+        if reduction != "loss_type":
+            raise ValueError("reduction='none' is not supported under torch.compile; call grpo_loss eagerly")
         if vocab_parallel_group is not None:
             raise ValueError("vocab_parallel_group is not supported under torch.compile; call grpo_loss eagerly")
         if inplace_backward:
@@ -220,6 +286,8 @@ def grpo_loss(
         data_group = resolve_data_group(data_parallel_group, None)
         return GRPOOutput(*compiled_grpo_loss(logits, completion_ids, tensors, backend, config, options, data_group))
     cfg = make_config(config, options)
+    if reduction == "none":
+        check_per_token_config(cfg)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     check_group("vocab_parallel_group", vocab_parallel_group)
@@ -227,7 +295,7 @@ def grpo_loss(
     logits = check_logits(logits)
     batch, length, vocab = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
-    rows = pick_backend(logits.device, backend)
+    rows = pick_backend(logits.device, backend, logits.dtype)
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, logits.device)
         rows = ShardBackend(vocab_parallel_group, offset, vocab, rows)
@@ -240,8 +308,11 @@ def grpo_loss(
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
     check_ids_range(ids, vocab)  # the full vocabulary when the logits are a shard
-    weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
     metrics: dict[str, torch.Tensor] = {}
+    if reduction == "none":
+        loss, logp, entropy = _PerTokenLossFunction.apply(logits, ids, cfg, rows, inp, inplace_backward, metrics)
+        return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
+    weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
     loss, logp, entropy = _GRPOLossFunction.apply(logits, ids, cfg, rows, inp, weights, inplace_backward, metrics)
     return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
 
@@ -258,12 +329,17 @@ class GRPOLoss(torch.nn.Module):
         config: LossConfig | None = None,
         *,
         inplace_backward: bool = False,
+        reduction: str = "loss_type",
         backend: str = "auto",
         **options: Any,
     ) -> None:
         super().__init__()
         self.config = make_config(config, options, "GRPOLoss")  # validates now, not at the first step
-        self.inplace_backward = inplace_backward
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if reduction == "none":
+            check_per_token_config(self.config)
+        self.inplace_backward, self.reduction = inplace_backward, reduction
         self.backend = backend
 
     def forward(
@@ -284,6 +360,7 @@ class GRPOLoss(torch.nn.Module):
             old_logp,
             ref_logp,
             inplace_backward=self.inplace_backward,
+            reduction=self.reduction,
             backend=self.backend,
             config=self.config,
             **tensors,

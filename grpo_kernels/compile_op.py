@@ -18,12 +18,12 @@ import torch
 from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
 from .dispatch import pick_backend
 from .loss_math import grpo_objective
-from .ops.rows import RowBackend, empty_row_state
+from .ops.rows import RowBackend, empty_row_state, stats_dtype
 from .validation import check_ids, check_ids_range, check_logits, token_inputs
 
 
-def _rows(backend: str, device: torch.device) -> RowBackend:
-    return pick_backend(device, backend)
+def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
+    return pick_backend(logits.device, backend, logits.dtype)
 
 
 @torch.library.custom_op("grpo_kernels::row_stats", mutates_args=())
@@ -32,14 +32,14 @@ def row_stats_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, row_state) from one read of the logits."""
     check_ids_range(ids, logits.shape[-1])
-    return _rows(backend, logits.device).row_stats(logits, ids, temperature)
+    return _rows(backend, logits).row_stats(logits, ids, temperature)
 
 
 @row_stats_op.register_fake
 def _(logits, ids, temperature, backend):
     batch, length, _ = logits.shape
-    stats = logits.new_empty((batch, length), dtype=torch.float32)
-    return stats, torch.empty_like(stats), empty_row_state(batch, length, logits.device)
+    stats = logits.new_empty((batch, length), dtype=stats_dtype(logits.dtype))
+    return stats, torch.empty_like(stats), empty_row_state(batch, length, logits.device, logits.dtype)
 
 
 @torch.library.custom_op("grpo_kernels::row_grad", mutates_args=())
@@ -54,8 +54,9 @@ def row_grad_op(
 ) -> torch.Tensor:
     """∂/∂logits of Σ g·ℓ + Σ h·H, in the logits' dtype."""
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    h = None if h is None else h.float().contiguous()
-    _rows(backend, logits.device).row_grad(logits, ids, row_state, g.float().contiguous(), h, temperature, out)
+    dtype = stats_dtype(logits.dtype)
+    h = None if h is None else h.to(dtype).contiguous()
+    _rows(backend, logits).row_grad(logits, ids, row_state, g.to(dtype).contiguous(), h, temperature, out)
     return out
 
 
@@ -135,4 +136,4 @@ def compiled_grpo_loss(
     inp = token_inputs(batch, length, logits.device, *tensors, beta=cfg.beta, data_group=data_group)
     logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
     loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
-    return loss.float(), logp.detach(), entropy.detach(), metrics
+    return loss.to(logp.dtype), logp.detach(), entropy.detach(), metrics

@@ -90,8 +90,8 @@ class LossConfig:
             raise ValueError(
                 f"epsilon_low and epsilon_high must be >= 0, got {self.epsilon_low} and {self.epsilon_high}"
             )
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:  # 0: only the highest-entropy tokens (H >= max H)
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError(
                 "sapo_temperature_pos and sapo_temperature_neg must be > 0, got "

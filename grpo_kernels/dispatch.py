@@ -28,9 +28,22 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def pick_backend(device: torch.device, name: str = "auto") -> RowBackend:
-    """The logits-path row backend for tensors on `device`."""
-    if resolve_backend_name(name, device) == "torch":
+def _wants_torch(name: str, device: torch.device, dtype: torch.dtype | None, what: str) -> bool:
+    """True for the torch backend; float64 always runs there ("auto" routes it, "triton" is refused by name)."""
+    resolved = resolve_backend_name(name, device)
+    if dtype == torch.float64:
+        if resolved == "triton" and name == "triton":
+            raise TypeError(
+                f"backend='triton' does not take float64 {what} (the kernels compute in fp32); use backend='torch' "
+                "or 'auto', which computes float64 inputs in float64"
+            )
+        return True
+    return resolved == "torch"
+
+
+def pick_backend(device: torch.device, name: str = "auto", dtype: torch.dtype | None = None) -> RowBackend:
+    """The logits-path row backend for tensors on `device` of `dtype` (float64 -> the torch rows, in float64)."""
+    if _wants_torch(name, device, dtype, "logits"):
         from .ops import torch_rows
 
         return torch_rows
@@ -39,9 +52,9 @@ def pick_backend(device: torch.device, name: str = "auto") -> RowBackend:
     return triton_logits
 
 
-def pick_linear_backend(device: torch.device, name: str = "auto") -> LinearBackend:
-    """The fused-linear tile backend for `device`: the same name and device rules as `pick_backend`."""
-    if resolve_backend_name(name, device) == "torch":
+def pick_linear_backend(device: torch.device, name: str = "auto", dtype: torch.dtype | None = None) -> LinearBackend:
+    """The fused-linear tile backend for `device`: the same name, device and dtype rules as `pick_backend`."""
+    if _wants_torch(name, device, dtype, "hidden and weight"):
         from .ops import linear_torch
 
         return linear_torch

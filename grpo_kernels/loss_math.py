@@ -93,18 +93,21 @@ def _gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, inp: TokenInputs,
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def grpo_objective(
-    logp: torch.Tensor,
-    entropy: torch.Tensor,
-    inp: TokenInputs,
-    cfg: LossConfig,
-    weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss (0-d, differentiable in `logp` and `entropy`) and TRL's metrics (detached 0-d tensors).
+@dataclass(frozen=True)
+class PerTokenTerms:
+    """The per-token loss L of docs/loss.md and what the metrics read off it (float64)."""
 
-    `logp`, `entropy`: [B, T] float64. `weights`: `aggregation_weights(inp.mask, cfg, inp.data_group)` when the
-    caller has it already (None: computed here). Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line.
-    """
+    loss: torch.Tensor  # [B, T], or [B, 1] at sequence level without KL (broadcasts); before the completion mask
+    ratio: torch.Tensor  # [B, T] or [B, 1]: the importance weight r (after the delta cap of the clipped types)
+    kl: torch.Tensor | None  # [B, T] the k3 estimator (β != 0)
+    phi: torch.Tensor | None  # [B, 1] vespo's φ
+    entropy_mask: torch.Tensor | None  # [B, T] 0/1 (top_entropy_quantile < 1)
+
+
+def per_token_terms(logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig) -> PerTokenTerms:
+    """L per token: the objective after the clip, the off-policy and entropy masks and ρ, plus β·KL, before the
+    completion mask and the aggregation. Differentiable in `logp` ([B, T] float64); `entropy` enters only through
+    the (detached) entropy mask. Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line."""
     mask, adv = inp.mask, inp.advantages
     old = logp.detach() if inp.old_logp is None else inp.old_logp
     log_ratio = logp - old
@@ -114,17 +117,19 @@ def grpo_objective(
         log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_w)
 
+    kl = None
     if cfg.beta != 0.0:
         kl = torch.exp(inp.ref_logp - logp) - (inp.ref_logp - logp) - 1
         if cfg.use_bias_correction_kl:
             kl = kl * ratio
 
+    phi = None
     if cfg.loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * logp
     elif cfg.loss_type in CLIPPED_LOSS_TYPES:
         clipped = torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
         if cfg.delta is not None:
-            ratio = torch.clamp(ratio, max=cfg.delta)  # the clip metrics below see this, as in TRL
+            ratio = torch.clamp(ratio, max=cfg.delta)  # the clip metrics see this, as in TRL
         per_token = -torch.min(ratio * adv, clipped * adv)
     elif cfg.loss_type == "sapo":
         temps = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
@@ -147,25 +152,61 @@ def grpo_objective(
 
     if inp.is_ratio is not None and cfg.loss_type != "vespo":
         per_token = per_token * inp.is_ratio
-    if cfg.beta != 0.0:
+    if kl is not None:
         per_token = per_token + cfg.beta * kl
+    return PerTokenTerms(per_token, ratio, kl, phi, entropy_mask)
 
+
+def per_token_objective(
+    logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`grpo_loss(..., reduction="none")`: the [B, T] per-token loss L of `per_token_terms`, exactly 0 at masked
+    tokens (selected, so a non-finite L there stays out), differentiable in `logp`; and TRL's metrics. The options
+    that only exist aggregated (entropy_coef, num_items_in_batch, max_completion_length) are refused by the caller."""
+    terms = per_token_terms(logp, entropy, inp, cfg)
+    loss = torch.where(inp.mask != 0, terms.loss.expand(inp.mask.shape), 0.0)
+    with torch.no_grad():
+        metrics = _objective_metrics(terms, entropy, inp, cfg)
+    return loss, metrics
+
+
+def grpo_objective(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    inp: TokenInputs,
+    cfg: LossConfig,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss (0-d, differentiable in `logp` and `entropy`) and TRL's metrics (detached 0-d tensors).
+
+    `logp`, `entropy`: [B, T] float64. `weights`: `aggregation_weights(inp.mask, cfg, inp.data_group)` when the
+    caller has it already (None: computed here). The loss is Σ w·L over `per_token_terms`, plus the entropy bonus.
+    """
+    mask = inp.mask
+    terms = per_token_terms(logp, entropy, inp, cfg)
     if weights is None:
         weights = aggregation_weights(mask, cfg, inp.data_group)
-    loss = (per_token * weights).sum()
+    loss = (terms.loss * weights).sum()
     policy_loss = loss.detach()
     if cfg.entropy_coef != 0.0:
-        effective = mask if entropy_mask is None else mask * entropy_mask
+        effective = mask if terms.entropy_mask is None else mask * terms.entropy_mask
         loss = loss + (entropy * entropy_bonus_weights(effective, cfg)).sum()
 
     with torch.no_grad():
-        kl_value = kl.detach() if cfg.beta != 0.0 else None
-        metrics = _metrics(entropy.detach(), kl_value, ratio.detach(), adv, mask, cfg, inp.data_group)
-        if cfg.loss_type == "vespo":
-            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask, inp.data_group))
+        metrics = _objective_metrics(terms, entropy, inp, cfg)
         if cfg.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics
+
+
+def _objective_metrics(
+    terms: PerTokenTerms, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig
+) -> dict[str, torch.Tensor]:
+    kl_value = None if terms.kl is None else terms.kl.detach()
+    metrics = _metrics(entropy.detach(), kl_value, terms.ratio.detach(), inp.advantages, inp.mask, cfg, inp.data_group)
+    if terms.phi is not None:
+        metrics.update(_global_means({"vespo/phi_seq_mean": terms.phi}, inp.mask, inp.data_group))
+    return metrics
 
 
 def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor, group=None) -> dict[str, torch.Tensor]:

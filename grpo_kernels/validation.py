@@ -12,7 +12,7 @@ import torch
 
 from .loss_math import TokenInputs
 
-LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
 
 
 def check_tensor(name: str, x: Any, shapes: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
@@ -33,13 +33,14 @@ def check_float(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def check_rows_tensor(name: str, x: Any, last: str) -> torch.Tensor:
-    """A non-empty (B, T, `last`) float32/bfloat16/float16 tensor: the logits, or fused-linear's hidden states."""
+    """A non-empty (B, T, `last`) float32/bfloat16/float16/float64 tensor: the logits, or fused-linear's hidden
+    states (float64 runs on the torch path, in float64; `dispatch` refuses it on Triton)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:
         raise ValueError(f"{name} must be 3-D (B, T, {last}), got {x.dim()}-D with shape {tuple(x.shape)}")
     if x.dtype not in LOGITS_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     if min(x.shape) == 0:
         raise ValueError(f"{name} must have B, T, {last} >= 1, got shape {tuple(x.shape)}")
     return x

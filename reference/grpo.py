@@ -55,6 +55,8 @@ class ReferenceOutput:
     logp: torch.Tensor  # (B, T) float64, attached to the graph
     entropy: torch.Tensor  # (B, T) float64, attached to the graph
     metrics: dict[str, float] = field(default_factory=dict)  # TRL's names
+    # (B, T) float64 per-token loss L before aggregation (0 at masked tokens), attached to the graph
+    per_token_loss: torch.Tensor | None = None
 
 
 def reference_selective_log_softmax(
@@ -254,6 +256,9 @@ def reference_grpo_loss(
     if kl is not None:
         per_token_loss = per_token_loss + beta * kl
 
+    # ---- The per-token loss before aggregation (reduction="none"): masked tokens are 0, selected, not multiplied.
+    per_token_out = torch.where(mask != 0, per_token_loss.expand(batch, length), 0.0)
+
     # ---- Aggregation (gradient-accumulation factors are 1).
     if loss_type in ("grpo", "sapo"):
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -297,7 +302,7 @@ def reference_grpo_loss(
         elif loss_type == "vespo":
             metrics["vespo/phi_seq_mean"] = _trl_global_masked_mean(phi, mask)
 
-    return ReferenceOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
+    return ReferenceOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics, per_token_loss=per_token_out)
 
 
 def _as_float32(value: float) -> float:

@@ -5,7 +5,7 @@ A backend is a module (`ops/torch_rows.py`, `ops/triton_logits.py`, ...) or an o
 reader and to a type checker. The fused-linear backends (`ops/linear_torch.py`, `ops/linear_triton.py`) follow
 `LinearBackend`.
 
-Row state, [B, T, ROW_STATE_WIDTH] float32, contiguous, the same for every backend. Per row, with x the raw logits,
+Row state, [B, T, ROW_STATE_WIDTH] float32 (float64 for float64 logits, which only the torch rows take), contiguous, the same for every backend. Per row, with x the raw logits,
 m = max_v x_v, z'_v = (x_v − m)/τ (<= 0) and e_v = exp(z'_v):
     [..., 0]  m          the raw row maximum (not divided by τ)
     [..., 1]  s          log Σ_v e_v                      (so lse = m/τ + s, p_v = exp(z'_v − s), ℓ = z'_y − s)
@@ -28,9 +28,17 @@ ROW_STATE_WIDTH = 4
 SHARD_PARTIALS_WIDTH = 5  # (m, Σe, Σe·z', raw target logit or −inf, Σ_{v≠y} e) of one shard row: see shard_partials
 
 
-def empty_row_state(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """An uninitialized row state of the shape every backend's `row_stats` returns (torch.compile's fake kernel)."""
-    return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=torch.float32, device=device)
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ℓ, H, the row state and g, h for inputs of `dtype`: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_row_state(
+    batch: int, length: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """An uninitialized row state of the shape every backend's `row_stats` returns (torch.compile's fake kernel);
+    `dtype`: the logits' dtype."""
+    return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=stats_dtype(dtype), device=device)
 
 
 class FusedTokenGrad(Protocol):

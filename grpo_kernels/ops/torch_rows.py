@@ -6,7 +6,8 @@ the one-read fused pass: the loss runs `row_stats`, the objective, then `row_gra
 
 Precision: everything is taken relative to the row's raw maximum, z' = (x − max x) / τ, so that logits of size
 1e4 lose nothing to an fp32 logsumexp of size 1e4; 1 − p_y is summed over the other tokens rather than formed
-as a difference, so a peaked row (p_y → 1) keeps its target gradient exact.
+as a difference, so a peaked row (p_y → 1) keeps its target gradient exact. float64 logits are computed in float64
+throughout (ℓ, H, the row state and g, h are then float64 too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state
+from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, stats_dtype
 
 # 4 Mi float32 elements = 16 MiB per temporary: big enough to amortize op overhead on a CPU, small next to the
 # logits (a 4096 x 32000 batch is 131 Mi elements).
@@ -34,24 +35,27 @@ def _row_chunks(batch: int, length: int, vocab: int) -> Iterator[tuple[int, slic
 
 
 def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
-    """z' = (x − max) / τ in float32: the subtraction is exact for the tokens that carry probability."""
-    z = x.float() - row_max.unsqueeze(-1)
+    """z' = (x − max) / τ in `row_max`'s dtype (float32, or float64 for float64 logits): the subtraction is exact for
+    the tokens that carry probability."""
+    z = x.to(row_max.dtype) - row_max.unsqueeze(-1)
     return z / temperature if temperature != 1.0 else z
 
 
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp, entropy [B, T] float32; row_state [B, T, 4] in the layout of ops/rows.py."""
+    """(logp, entropy, row_state): logp, entropy [B, T] float32 (float64 for float64 logits); row_state [B, T, 4] in
+    the layout of ops/rows.py."""
     batch, length, vocab = logits.shape
-    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    dtype = stats_dtype(logits.dtype)
+    logp = torch.empty(batch, length, dtype=dtype, device=logits.device)
     entropy = torch.empty_like(logp)
-    state = empty_row_state(batch, length, logits.device)
-    lowest = torch.finfo(torch.float32).min
+    state = empty_row_state(batch, length, logits.device, logits.dtype)
+    lowest = torch.finfo(dtype).min
     for b, ts in _row_chunks(batch, length, vocab):
         x = logits[b, ts]
         y = ids[b, ts].long().unsqueeze(-1)
-        row_max = x.amax(-1).float()
+        row_max = x.amax(-1).to(dtype)
         z = _shifted(x, row_max, temperature).clamp_(min=lowest)  # [rows, V] <= 0; −inf -> lowest keeps e·z at 0
         e = torch.exp(z)
         e_y = e.gather(-1, y).squeeze(-1)
@@ -109,14 +113,15 @@ def row_grad(
 
 
 def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
-    """[B, T, 5] float32 per row of the shard: (raw max m, Σ e, Σ e·z', raw target logit or −inf, Σ_{v≠y} e),
-    e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays exact for peaked rows.
+    """[B, T, 5] float32 (float64 for float64 logits) per row of the shard: (raw max m, Σ e, Σ e·z', raw target
+    logit or −inf, Σ_{v≠y} e), e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays exact for peaked rows.
     `ids` are global; the shard holds [offset, offset + V)."""
     batch, length, vocab = logits.shape
-    parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
+    dtype = stats_dtype(logits.dtype)
+    parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=dtype, device=logits.device)
     for b, ts in _row_chunks(batch, length, vocab):
         x = logits[b, ts]
-        row_max = x.amax(-1).float()
+        row_max = x.amax(-1).to(dtype)
         # A shard row that is all −inf (padded vocabulary) contributes nothing; shift it by 0, not by −inf.
         z = _shifted(x, torch.where(row_max == -math.inf, 0.0, row_max), temperature)
         e = torch.exp(z)
@@ -127,6 +132,6 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
         parts[b, ts, 0] = row_max
         parts[b, ts, 1] = total
         parts[b, ts, 2] = torch.where(e > 0, e * z, 0.0).sum(-1)
-        parts[b, ts, 3] = torch.where(inside, x.float().gather(-1, y), -math.inf).squeeze(-1)
+        parts[b, ts, 3] = torch.where(inside, x.to(dtype).gather(-1, y), -math.inf).squeeze(-1)
         parts[b, ts, 4] = torch.where(inside.squeeze(-1), e.scatter(-1, y, 0.0).sum(-1), total)
     return parts
