@@ -3,7 +3,7 @@
 from .advantages import group_advantages
 from .api import GRPOLoss, GRPOOutput, grpo_loss, selective_log_softmax
 from .config import LOSS_TYPES, LossConfig
-from .fused_linear import fused_linear_grpo_loss
+from .fused_linear import fused_linear_grpo_loss, fused_linear_log_softmax
 
 __all__ = [
     "GRPOLoss",
@@ -11,6 +11,7 @@ __all__ = [
     "LOSS_TYPES",
     "LossConfig",
     "fused_linear_grpo_loss",
+    "fused_linear_log_softmax",
     "group_advantages",
     "grpo_loss",
     "selective_log_softmax",

@@ -1,8 +1,12 @@
-"""`fused_linear_grpo_loss`: the GRPO loss straight from hidden states and the lm_head weight, logits never stored.
+"""`fused_linear_grpo_loss`: the GRPO loss straight from hidden states and the lm_head weight, logits never stored;
+`fused_linear_log_softmax`: the same tiles as a differentiable layer, (ℓ, H) per token for trainers that build their
+own loss.
 
 A call flows: validate once (the same checks as `grpo_loss`, validation.py) -> pass 1 over vocabulary tiles gives
 ℓ, H, lse per token -> the float64 objective gives g = ∂loss/∂ℓ, h = ∂loss/∂H -> pass 2 recomputes the tiles and
 accumulates ∂hidden, ∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients.
+`fused_linear_log_softmax` runs pass 1 in its forward and pass 2 in its backward, with the upstream gradients of ℓ
+and H as g and h.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from .vocab_parallel import LinearShard, shard_offset
 def _check_zero3(name: str, x: Any) -> None:
     if getattr(x, "ds_id", None) is not None and x.numel() == 0:
         raise ValueError(
-            f"{name} is a DeepSpeed ZeRO-3 partitioned parameter (ds_id={x.ds_id}), which fused_linear_grpo_loss does "
-            "not gather; use FSDP2 (fully_shard: DTensor weights are gathered) or grpo_loss on the model's logits"
+            f"{name} is a DeepSpeed ZeRO-3 partitioned parameter (ds_id={x.ds_id}), which the fused-linear functions "
+            "do not gather; use FSDP2 (fully_shard: DTensor weights are gathered) or grpo_loss on the model's logits"
         )
 
 
@@ -57,6 +61,94 @@ def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
             raise ValueError(f"bias must be on hidden's device {hidden.device}, got {bias.device}")
 
 
+def _prepare(
+    hidden: Any, weight: Any, bias: Any, completion_ids: Any, backend: str, vocab_parallel_group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, LinearBackend | LinearShard]:
+    """The checks and the backend shared by the fused-linear entry points: (hidden, weight and bias gathered when
+    they are DTensors, ids checked against the full vocabulary, the tile backend or its vocabulary shard)."""
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    weight, bias = gather_sharded(weight), gather_sharded(bias)
+    _check_linear(hidden, weight, bias)
+    batch, length, _ = hidden.shape
+    ids = check_ids(completion_ids, batch, length, hidden.device)
+    rows: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
+    vocab = weight.shape[0]
+    if vocab_parallel_group is not None:
+        offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
+        rows = LinearShard(rows, vocab_parallel_group, offset)
+    check_ids_range(ids, vocab)
+    return hidden, weight, bias, ids, rows
+
+
+class _FusedLinearLogSoftmax(torch.autograd.Function):
+    """Pass 1 (ℓ, H, lse) in the forward; pass 2 in the backward with g, h the upstream gradients of ℓ and H."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temperature, backend):  # type: ignore[override]
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, entropy, lse = backend.stats(hidden, weight, bias, ids, temperature)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.temperature, ctx.backend = temperature, backend
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype)
+        h = None if grad_entropy is None else grad_entropy.to(lse.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = ctx.backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, ctx.temperature, needs)
+        return (*grads, None, None, None)
+
+
+def fused_linear_log_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    vocab_parallel_group: Any = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each chosen token and the entropy of each row of logits = (hidden @ weight.T + bias) / τ,
+    without a (B·T, V) tensor: the per-token layer for trainers that build their own loss from ℓ and H.
+
+    The vocabulary is streamed in tiles exactly as in `fused_linear_grpo_loss`: pass 1 (the forward) folds fp32
+    logit tiles into online statistics; pass 2 (the backward) recomputes each tile and accumulates ∂hidden,
+    ∂weight and ∂bias in fp32 from the upstream gradients of ℓ and H. Rows whose two upstream gradients are both
+    exactly 0 skip pass 2 (they add exactly 0). Extra memory: O(B·T·H + one tile); hidden, weight and bias are kept
+    for the backward (not copied).
+
+    Args:
+        hidden: [B, T, H] float32/bfloat16/float16/float64 (float64: the torch tiles, in float64).
+        weight: [V, H] the lm_head (or tied embedding) weight, same dtype and device as hidden; a DTensor (FSDP2
+            `fully_shard`) is gathered and its gradient reduce-scattered back, as in `fused_linear_grpo_loss`; the
+            gathered weight is held until the backward.
+        completion_ids: [B, T] int32/int64 in [0, V) (already shifted: hidden[b, t] scores completion_ids[b, t]).
+        temperature: τ > 0.
+        bias: [V] or None.
+        vocab_parallel_group: the lm_head rows are sharded over this group (weight and bias are this rank's
+            contiguous rows, shards in rank order; hidden and the global ids replicated). ℓ and H are those of the
+            full vocabulary; the backward all-reduces the fp32 ∂hidden over the group, so every rank must call it
+            with the same upstream gradients.
+        backend: "auto" (Triton folds on CUDA, torch tiles elsewhere), "triton" or "torch".
+    Returns:
+        (logp, entropy), each [B, T] float32 (float64 for float64 inputs), both differentiable w.r.t. hidden,
+        weight and bias.
+
+    Example:
+        >>> hidden = torch.randn(2, 5, 16, requires_grad=True)
+        >>> lm_head = torch.nn.Linear(16, 50, bias=False)
+        >>> logp, entropy = fused_linear_log_softmax(hidden, lm_head.weight, torch.randint(0, 50, (2, 5)))
+        >>> (logp.sum() + 0.01 * entropy.sum()).backward()
+    """
+    temperature = LossConfig(temperature=temperature).temperature
+    hidden, weight, bias, ids, rows = _prepare(hidden, weight, bias, completion_ids, backend, vocab_parallel_group)
+    return _FusedLinearLogSoftmax.apply(hidden, weight, bias, ids, temperature, rows)
+
+
 class _FusedLinearGRPOFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, cfg, backend, inp, weights, ids, metrics_out):  # type: ignore[override]
@@ -72,13 +164,13 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
             if any(needs):
                 wrt = [lp] + ([ent] if ent.requires_grad else [])
                 dl = torch.autograd.grad(loss, wrt, allow_unused=True)
-                g = torch.zeros_like(logp) if dl[0] is None else dl[0].float()
-                h = dl[1].float() if len(dl) > 1 and dl[1] is not None else None
+                g = torch.zeros_like(logp) if dl[0] is None else dl[0].to(logp.dtype)
+                h = dl[1].to(logp.dtype) if len(dl) > 1 and dl[1] is not None else None
                 grads = backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, cfg.temperature, needs)
         metrics_out.update(metrics)
         ctx.grads = grads
         ctx.mark_non_differentiable(logp, entropy)
-        return loss.detach().to(torch.float32), logp, entropy
+        return loss.detach().to(logp.dtype), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):  # type: ignore[override]
@@ -126,7 +218,8 @@ def fused_linear_grpo_loss(
     An enclosing autocast is not applied: hidden and weight must share a dtype.
 
     Args:
-        hidden: [B, T, H] float32/bfloat16/float16, the final hidden states that score `completion_ids` (already
+        hidden: [B, T, H] float32/bfloat16/float16/float64 (float64: the torch tiles, computed in float64; the
+            outputs are then float64), the final hidden states that score `completion_ids` (already
             shifted); strided views such as `last_hidden_state[:, -T-1:-1]` are read in place, never copied.
         weight: [V, H] the lm_head (or tied embedding) weight, same dtype and device as hidden.
         completion_ids: [B, T] int32/int64 in [0, V).
@@ -157,19 +250,10 @@ def fused_linear_grpo_loss(
         >>> out.loss.backward()  # hidden.grad, lm_head.weight.grad
     """
     cfg = make_config(config, options, "fused_linear_grpo_loss")
-    check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("data_parallel_group", data_parallel_group)
-    weight, bias = gather_sharded(weight), gather_sharded(bias)
-    _check_linear(hidden, weight, bias)
+    hidden, weight, bias, ids, rows = _prepare(hidden, weight, bias, completion_ids, backend, vocab_parallel_group)
     batch, length, _ = hidden.shape
-    ids = check_ids(completion_ids, batch, length, hidden.device)
-    rows: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend)
-    vocab = weight.shape[0]
-    if vocab_parallel_group is not None:
-        offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
-        rows = LinearShard(rows, vocab_parallel_group, offset)
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
-    check_ids_range(ids, vocab)
     inp: TokenInputs = token_inputs(
         batch, length, hidden.device,
         advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,

@@ -8,7 +8,7 @@ Pass 1 (`stats`): for each vocabulary tile, z = (x @ W_tileᵀ + b_tile) / τ in
 statistics (running max m, Σ e^{z−m}, Σ e^{z−m}·(z−m), the target's z) -> ℓ, H, lse.
 Pass 2 (`grads`), once g = ∂loss/∂ℓ and h = ∂loss/∂H are known per row: recompute each tile, form
 dz = (g·(onehot − p) − h·p·(z − Σp·z)) / τ and accumulate ∂x += dz @ W_tile, ∂W_tile = dzᵀ @ x, ∂b_tile = Σ_rows dz,
-all in fp32. The vocabulary is the outer loop so that ∂W needs only a [V_tile, H] fp32 accumulator; ∂x needs
+all in fp32 (float64 for float64 hidden and weight). The vocabulary is the outer loop so that ∂W needs only a [V_tile, H] fp32 accumulator; ∂x needs
 a [B·T, H] one (the size of hidden itself). Rows with g = h = 0 (padding, zero advantages) are left out of pass 2.
 """
 
@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from .rows import stats_dtype
 
 # Elements of one fp32 logits tile (rows x vocabulary). On a CPU, 2^20 (4 MiB) stays near the caches; the CUDA path
 # has its own, larger budget. Tests lower these to force many tiles and ragged last tiles.
@@ -66,7 +68,8 @@ def _vocab_tiles(vocab: int, v_tile: int) -> Iterator[tuple[int, int]]:
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (or acc += a @ b) with an fp32 result, never rounding the product to the inputs' dtype.
+    """a @ b (or acc += a @ b) with an fp32 result (float64 for float64 operands), never rounding the product to
+    the inputs' dtype.
 
     On CUDA, bf16/fp16 operands go to the tensor cores with fp32 output; elsewhere they are upcast first.
     """
@@ -75,14 +78,15 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = Non
             return torch.mm(a, b, out_dtype=torch.float32)
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     if acc is None:
-        return torch.mm(a.float(), b.float())
-    return acc.addmm_(a.float(), b.float())
+        dtype = stats_dtype(a.dtype)
+        return torch.mm(a.to(dtype), b.to(dtype))
+    return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _logits_tile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    z = matmul_fp32(x, w.t())  # [R, Vt] fp32, before the temperature
+    z = matmul_fp32(x, w.t())  # [R, Vt] fp32 (float64 for float64 inputs), before the temperature
     if b is not None:
-        z += b.float()
+        z += b.to(z.dtype)
     return z
 
 
@@ -92,7 +96,8 @@ def _logits_tile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
 
 @dataclass
 class RowStats:
-    """Per-row online softmax statistics over the vocabulary tiles seen so far, each [N] fp32."""
+    """Per-row online softmax statistics over the vocabulary tiles seen so far, each [N] fp32 (float64 for float64
+    inputs)."""
 
     max: torch.Tensor  # running max of z
     sum_exp: torch.Tensor  # Σ e^{z − max}
@@ -102,8 +107,8 @@ class RowStats:
     # vocabulary shard without the target contributes nothing to the max over shards
 
     @classmethod
-    def empty(cls, num_rows: int, device: torch.device) -> RowStats:
-        full = lambda value: torch.full((num_rows,), value, dtype=torch.float32, device=device)
+    def empty(cls, num_rows: int, device: torch.device, dtype: torch.dtype = torch.float32) -> RowStats:
+        full = lambda value: torch.full((num_rows,), value, dtype=dtype, device=device)
         return cls(full(float("-inf")), full(0.0), full(0.0), full(float("-inf")))
 
     def rows(self, r0: int, r1: int) -> RowStats:
@@ -180,7 +185,7 @@ def run_stats(
     full vocabulary's before they are finished (ids are then shard-local and may lie outside the shard)."""
     batch, length, _ = hidden.shape
     flat_ids = ids.reshape(-1).long()
-    st = RowStats.empty(batch * length, hidden.device)
+    st = RowStats.empty(batch * length, hidden.device, stats_dtype(hidden.dtype))
     blocks = row_blocks(hidden, plan.rows)
     for v0, v1 in _vocab_tiles(weight.shape[0], plan.vocab):
         w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
@@ -282,15 +287,16 @@ def _dense_grads(
     flat = lambda t: None if t is None else t.reshape(-1)
     ids, lse, g, h = flat(ids).long(), flat(lse), flat(g), flat(h)
     mean_z = None if h is None else lse - flat(entropy)  # Σ p·z per row
-    dx = torch.zeros(batch * length, width, dtype=torch.float32, device=dev) if need_x else None
+    acc = stats_dtype(hidden.dtype)  # fp32 accumulators (float64 for float64 inputs)
+    dx = torch.zeros(batch * length, width, dtype=acc, device=dev) if need_x else None
     dw = torch.empty(vocab, width, dtype=weight.dtype, device=dev) if need_w else None
-    db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
+    db = torch.zeros(vocab, dtype=acc, device=dev) if need_b else None
     blocks = row_blocks(hidden, plan.rows)
     for v0, v1 in _vocab_tiles(vocab, plan.vocab):
         w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
         dw_acc = None
-        if need_w:  # fp32 weights accumulate in place; others through one [Vt, H] fp32 tile
-            dw_acc = dw[v0:v1].zero_() if dw.dtype == torch.float32 else torch.zeros(v1 - v0, width, device=dev)
+        if need_w:  # fp32 (float64) weights accumulate in place; others through one [Vt, H] fp32 tile
+            dw_acc = dw[v0:v1].zero_() if dw.dtype == acc else torch.zeros(v1 - v0, width, dtype=acc, device=dev)
         for r0, x in blocks:
             r1 = r0 + x.shape[0]
             mz, hr = (None, None) if h is None else (mean_z[r0:r1], h[r0:r1])
@@ -302,8 +308,8 @@ def _dense_grads(
             if need_w:
                 matmul_fp32(dz.t(), x, acc=dw_acc)
             if need_b:
-                db[v0:v1] += dz.sum(0, dtype=torch.float32)
-        if need_w and dw.dtype != torch.float32:
+                db[v0:v1] += dz.sum(0, dtype=acc)
+        if need_w and dw.dtype != acc:
             dw[v0:v1].copy_(dw_acc)
     if dx is not None and reduce_dx is not None:
         reduce_dx(dx)
@@ -342,7 +348,7 @@ def grads(
     needs: tuple[bool, bool, bool],
     reduce_dx: ReduceGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Pass 2 on the CPU, with dz kept in fp32 (the CPU matmuls are fp32 anyway)."""
+    """Pass 2 on the CPU, with dz kept in fp32 (the CPU matmuls are fp32 anyway; float64 for float64 inputs)."""
     return run_grads(
         hidden,
         weight,
@@ -355,7 +361,7 @@ def grads(
         temperature,
         needs,
         fold_grad_torch,
-        torch.float32,
+        stats_dtype(hidden.dtype),
         TILE_ELEMENTS,
         MIN_VOCAB_TILE,
         reduce_dx,
