@@ -89,8 +89,8 @@ def forward_rows(
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
     logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
     with torch.enable_grad():
-        lp = logp.double().requires_grad_(out is not None)
-        ent = entropy.double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
+        lp = logp.detach().double().requires_grad_(out is not None)
+        ent = entropy.detach().double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
         loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
     if out is not None:
         grads = torch.autograd.grad(loss, [lp, ent] if ent.requires_grad else [lp])
@@ -135,8 +135,8 @@ class _PerTokenLossFunction(torch.autograd.Function):
     def forward(ctx, logits, ids, cfg, backend, inp, inplace, metrics_out):  # type: ignore[override]
         logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
         with torch.enable_grad():
-            lp = logp.double().requires_grad_(ctx.needs_input_grad[0])
-            per_token, metrics = per_token_objective(lp, entropy.double(), inp, cfg)
+            lp = logp.detach().double().requires_grad_(ctx.needs_input_grad[0])  # a new tensor, also for float64
+            per_token, metrics = per_token_objective(lp, entropy.detach().double(), inp, cfg)
         metrics_out.update(metrics)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(logits, ids, row_state)

@@ -157,8 +157,8 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             logp, entropy, lse = backend.stats(hidden, weight, bias, ids, cfg.temperature)
             with torch.enable_grad():
-                lp = logp.double().requires_grad_(any(needs))
-                ent = entropy.double().requires_grad_(any(needs) and cfg.entropy_coef != 0.0)
+                lp = logp.detach().double().requires_grad_(any(needs))
+                ent = entropy.detach().double().requires_grad_(any(needs) and cfg.entropy_coef != 0.0)
                 loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
             grads: tuple[torch.Tensor | None, ...] = (None, None, None)
             if any(needs):
