@@ -1,0 +1,203 @@
+"""fused_linear_log_softmax against the float64 oracle on logits = (hidden @ weight.T + bias) / τ: ℓ and H, and the
+gradients of hidden, weight and bias under random upstream gradients on ℓ and H together, for the torch tiles and
+the Triton folds (interpreted without a GPU); tied weights; no (B·T, V) tensor; 2 vocabulary-parallel gloo ranks and
+an FSDP2-sharded head."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grpo_kernels import fused_linear_log_softmax
+from grpo_kernels.ops import linear_torch, linear_triton
+from reference import reference_selective_log_softmax
+
+from .conftest import HAS_TRITON_DEVICE
+from .test_fused_linear import _LargestTensor
+
+pytestmark = pytest.mark.usefixtures("nan_empty")
+
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="no Triton"))]
+B, T, H, V = 3, 4, 37, 300  # V = 300: vocabulary tiles of 128, 128 and a ragged 44
+TAU = 0.7
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    for mod in (linear_torch, linear_triton):
+        monkeypatch.setattr(mod, "TILE_ELEMENTS", 1280)  # 12 rows in blocks of 10 and 2
+        monkeypatch.setattr(mod, "MIN_VOCAB_TILE", 128)
+
+
+def make_inputs(seed=0, dtype=torch.float32, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T + 2, H, generator=gen).to(dtype)  # the layer reads the strided view [:, 1:T+1]
+    weight = (torch.randn(V, H, generator=gen) * 3 / H**0.5).to(dtype)
+    b = torch.randn(V, generator=gen).to(dtype) if bias else None
+    if b is not None:
+        b[-5:] = -torch.inf  # padded vocabulary rows
+    ids = torch.randint(0, V - 5, (B, T), generator=gen)
+    upstream = torch.randn(2, B, T, generator=gen, dtype=torch.float64)
+    upstream[:, 1, 2] = 0.0  # a row with no gradient at all: pass 2 skips it
+    return hidden, weight, b, ids, upstream
+
+
+def oracle(hidden, weight, bias, ids, upstream, use=(True, True)):
+    x, w = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    b = None if bias is None else bias.double().requires_grad_(True)
+    logits = x[:, 1 : T + 1] @ w.T + (0.0 if b is None else b)
+    logp, entropy = reference_selective_log_softmax(logits, ids, TAU)
+    objective = (logp * upstream[0]).sum() * use[0] + (entropy * upstream[1]).sum() * use[1]
+    grads = torch.autograd.grad(objective, [t for t in (x, w, b) if t is not None])
+    return logp.detach(), entropy.detach(), grads
+
+
+def ours(hidden, weight, bias, ids, upstream, backend, use=(True, True)):
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + (() if bias is None else (bias,))]
+    x, w = leaves[:2]
+    b = leaves[2] if bias is not None else None
+    logp, entropy = fused_linear_log_softmax(x[:, 1 : T + 1], w, ids, temperature=TAU, bias=b, backend=backend)
+    outputs = [o for o, u in zip((logp, entropy), use) if u]
+    grad_outputs = [g.to(o.dtype) for g, u, o in zip(upstream, use, (logp, entropy)) if u]
+    torch.autograd.backward(outputs, grad_outputs)
+    return logp, entropy, [t.grad for t in leaves]
+
+
+def assert_matches(got, want, rtol=1e-5):
+    logp, entropy, grads = got
+    ref_logp, ref_entropy, ref_grads = want
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=rtol, atol=1e-6)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=rtol, atol=1e-6)
+    assert len(grads) == len(ref_grads)
+    for ours_grad, exact in zip(grads, ref_grads):
+        assert exact.abs().max() > 0, "a test whose gradient is all zero proves nothing"
+        err = (ours_grad.double() - exact).abs().max()
+        assert err <= rtol * exact.abs().max(), f"gradient off by {err:.3e} (max {exact.abs().max():.3e})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_random_upstream_on_logp_and_entropy(backend, bias):
+    inputs = make_inputs(seed=int(bias), bias=bias)
+    assert_matches(ours(*inputs, backend), oracle(*inputs))
+
+
+@pytest.mark.parametrize("use", [(True, False), (False, True)], ids=["logp-only", "entropy-only"])
+def test_one_output_used(use):
+    inputs = make_inputs(seed=2)
+    assert_matches(ours(*inputs, "torch", use=use), oracle(*inputs, use=use))
+
+
+def test_float64_is_computed_in_float64():
+    inputs = make_inputs(seed=3, dtype=torch.float64)
+    got = ours(*inputs, "torch")
+    assert got[0].dtype == got[1].dtype == torch.float64
+    assert_matches(got, oracle(*inputs), rtol=1e-12)
+
+
+def test_tied_embeddings_accumulate_both_uses():
+    gen = torch.Generator().manual_seed(4)
+    emb = torch.nn.Embedding(V, H)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    u, v = torch.randn(2, B, T, generator=gen)
+    grads = []
+    for fused in (True, False):
+        emb.zero_grad()
+        hidden = torch.tanh(emb(tokens) if fused else emb(tokens).double())
+        if fused:
+            logp, entropy = fused_linear_log_softmax(hidden, emb.weight, ids, backend="torch")
+        else:
+            logp, entropy = reference_selective_log_softmax(hidden @ emb.weight.double().T, ids)
+        ((logp * u).sum() + (entropy * v).sum()).backward()
+        grads.append(emb.weight.grad.clone())
+    assert (grads[0].double() - grads[1]).abs().max() <= 1e-5 * grads[1].abs().max()
+
+
+def test_never_materializes_the_logits(monkeypatch):
+    # 64 rows x 1024 vocabulary = 65536 logits; the tile budget is 4096 (16 rows x 256) and weight has 1024 x 4.
+    monkeypatch.setattr(linear_torch, "TILE_ELEMENTS", 4096)
+    monkeypatch.setattr(linear_torch, "MIN_VOCAB_TILE", 256)
+    rows, vocab, width = 64, 1024, 4
+    hidden = torch.randn(2, rows // 2, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, rows // 2))
+    with _LargestTensor() as spy:
+        logp, entropy = fused_linear_log_softmax(hidden, weight, ids, backend="torch")
+        (logp.sum() - 0.1 * entropy.sum()).backward()
+    assert spy.largest <= max(4096, vocab * width), f"a tensor of {spy.largest} elements (logits: {rows * vocab})"
+    assert hidden.grad.abs().max() > 0 and weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "fragment"),
+    [
+        (dict(weight=torch.randn(V, H + 1)), ValueError, "weight must have shape"),
+        (dict(weight=torch.randn(V, H, dtype=torch.float64)), TypeError, "weight and hidden must have the same dtype"),
+        (dict(ids=torch.full((B, T), V)), ValueError, "completion_ids must lie in"),
+        (dict(temperature=0.0), ValueError, "temperature must be > 0"),
+        (dict(bias=torch.randn(V + 1)), ValueError, "bias must have shape"),
+    ],
+)
+def test_bad_input_names_the_argument(changes, error, fragment):
+    args = dict(hidden=torch.randn(B, T, H), weight=torch.randn(V, H), ids=torch.zeros(B, T, dtype=torch.long))
+    args.update(changes)
+    with pytest.raises(error, match=fragment):
+        fused_linear_log_softmax(args.pop("hidden"), args.pop("weight"), args.pop("ids"), **args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2 gloo ranks: the vocabulary-parallel form (each rank holds a block of the head's rows) and an FSDP2-sharded head
+
+
+def _rank(rank: int, world: int, store: str, results: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        for mod in (linear_torch, linear_triton):
+            mod.TILE_ELEMENTS, mod.MIN_VOCAB_TILE = 64, 8  # several tiles per shard
+        hidden, weight, bias, ids, upstream = make_inputs(seed=5)
+        block = slice(0, 161) if rank == 0 else slice(161, V)  # uneven shards; the padded rows all on rank 1
+        x = hidden.clone().requires_grad_(True)
+        w, b = weight[block].clone().requires_grad_(True), bias[block].clone().requires_grad_(True)
+        logp, entropy = fused_linear_log_softmax(
+            x[:, 1 : T + 1], w, ids, temperature=TAU, bias=b, vocab_parallel_group=dist.group.WORLD
+        )
+        torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
+        sharded = (logp, entropy, x.grad, w.grad, b.grad)
+
+        head = torch.nn.Linear(H, V)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+            head.bias.copy_(bias)
+        fully_shard(head)
+        assert isinstance(head.weight, DTensor)
+        x = hidden.clone().requires_grad_(True)
+        logp, entropy = fused_linear_log_softmax(x[:, 1 : T + 1], head.weight, ids, temperature=TAU, bias=head.bias)
+        # each data rank's share of the mean: FSDP averages the two ranks' gradients
+        torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
+        fsdp = (x.grad, head.weight.grad.full_tensor(), head.bias.grad.full_tensor())
+        torch.save((sharded, fsdp), os.path.join(results, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_and_fsdp2_equal_the_unsharded_oracle():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _rank, args=(2, os.path.join(tmp, "store"), tmp), nprocs=2, join=True, start_method="spawn"
+        )
+        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    hidden, weight, bias, ids, upstream = make_inputs(seed=5)
+    ref_logp, ref_entropy, (dx, dw, db) = oracle(hidden, weight, bias, ids, upstream)
+    for rank, (sharded, fsdp) in enumerate(per_rank):
+        block = slice(0, 161) if rank == 0 else slice(161, V)
+        logp, entropy, gx, gw, gb = sharded
+        assert_matches((logp, entropy, [gx, gw, gb]), (ref_logp, ref_entropy, (dx, dw[block], db[block])))
+        fx, fw, fb = fsdp
+        assert_matches((logp, entropy, [fx, fw, fb]), (ref_logp, ref_entropy, (dx, dw, db)))
