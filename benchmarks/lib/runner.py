@@ -211,7 +211,9 @@ def run_cpu(args: argparse.Namespace, w: Workload, payload: dict[str, Any], out_
                 recs[n].update(status=status, note=why)
             else:
                 runnable.append(n)
-        samples: dict[str, dict[str, list[float]]] = {n: {"times": [], "cpu_times": [], "first": []} for n in runnable}
+        samples: dict[str, dict[str, list[float]]] = {
+            n: {"times": [], "cpu_times": [], "first": [], "build": []} for n in runnable
+        }
         for r in range(args.rounds):
             for n in runnable[r % len(runnable) :] + runnable[: r % len(runnable)]:
                 if recs[n]["status"] != "ok":
@@ -235,6 +237,7 @@ def run_cpu(args: argparse.Namespace, w: Workload, payload: dict[str, Any], out_
                 samples[n]["times"] += res["times"]
                 samples[n]["cpu_times"] += res["cpu_times"]
                 samples[n]["first"].append(res["first_call_ms"])
+                samples[n]["build"].append(res["build_ms"])
                 rec["note"] = res.get("note", "")
                 rec["peak_bytes"] = max(rec["peak_bytes"] or 0, res["peak_bytes"])
                 rec["loss"] = res["loss"] if rec["loss"] is None else rec["loss"]
@@ -247,6 +250,7 @@ def run_cpu(args: argparse.Namespace, w: Workload, payload: dict[str, Any], out_
                 rec["time_ms"] = harness.summarize_ms(samples[n]["times"])
                 rec["cpu_time_ms"] = harness.summarize_ms(samples[n]["cpu_times"])
                 rec["first_call_ms"] = harness.summarize_ms(samples[n]["first"])
+                rec["build_ms"] = harness.summarize_ms(samples[n]["build"])
                 rec["GBps"] = logits_bytes_moved(rec, itemsize) / (rec["time_ms"]["median"] / 1e3) / 1e9
         print(f"[{dtype_name} V={vocab} BT={tokens}]", flush=True)
         for n in args.contenders:
