@@ -114,33 +114,37 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for tokens, width, vocab in (s for s in args.shapes if tuple(s) not in done):
         row: dict[str, Any] = {"tokens": tokens, "width": width, "vocab": vocab, "contenders": {}}
+        payload["rows"].append(row)
         if time.perf_counter() - t_start > args.budget_s:
             why = f"time budget {args.budget_s:.0f} s spent"
             row["contenders"] = {n: {"status": "skipped", "why": why} for n in args.names}
-        else:
-            inp = make_inputs(tokens, width, vocab, args.device)
-            row["reference"] = reference_check(inp, w, tokens)
-            for name in args.names:
-                res = bench_contender(name, w, inp, args.device, args.warmup, args.reps)
-                row["contenders"][name] = res
-                shown = (
-                    f"{res['ms']['median']:.2f} ms, peak {harness.fmt_bytes(res['peak_bytes'])}"
-                    if res["status"] == "ok"
-                    else res["status"] + ": " + res.get("why", "")[:200]
-                )
-                print(f"bench_linear: N={tokens} H={width} V={vocab} {name}: {shown}", flush=True)
-            del inp
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        row["ratios"] = {n: ratios(row, n) for n in ("fused_linear", "fused_linear_strided")}
-        payload["rows"].append(row)
-        # after every shape: a run cut short keeps its table
-        harness.write_json(stem.with_suffix(".json"), payload)
-        harness.write_text(stem.with_suffix(".md"), report.linear_markdown(payload))
+            _save(payload, row, stem)
+            continue
+        inp = make_inputs(tokens, width, vocab, args.device)
+        row["reference"] = reference_check(inp, w, tokens)
+        for name in args.names:
+            res = bench_contender(name, w, inp, args.device, args.warmup, args.reps)
+            row["contenders"][name] = res
+            shown = (
+                f"{res['ms']['median']:.2f} ms, peak {harness.fmt_bytes(res['peak_bytes'])}"
+                if res["status"] == "ok"
+                else res["status"] + ": " + res.get("why", "")[:200]
+            )
+            print(f"bench_linear: N={tokens} H={width} V={vocab} {name}: {shown}", flush=True)
+            _save(payload, row, stem)  # after every contender: a run cut short keeps its table
+        del inp
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     print(report.linear_markdown(payload))
     print(f"bench_linear: wrote {stem}.json and .md")
     return 0
+
+
+def _save(payload: dict[str, Any], row: dict[str, Any], stem: Path) -> None:
+    row["ratios"] = {n: ratios(row, n) for n in ("fused_linear", "fused_linear_strided")}
+    harness.write_json(stem.with_suffix(".json"), payload)
+    harness.write_text(stem.with_suffix(".md"), report.linear_markdown(payload))
 
 
 if __name__ == "__main__":

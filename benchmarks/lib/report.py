@@ -1,5 +1,7 @@
-"""The loss table's reports: the derived figures (ratios to ours, agreement of the losses), the markdown with its
-headline, and the PNG plot; `finish` writes all three beside each other."""
+"""The benchmarks' reports: for the loss table the derived figures (ratios to ours, agreement of the losses), the
+markdown with its headline and the PNG plot (`finish` writes all three beside each other); then the fused-linear
+table's markdown and the GPU check's own two (the device's ceilings, the L2 question). Somewhat over 400 lines: the
+report code of every table in one place, so a change to how results read is made here alone."""
 
 from __future__ import annotations
 
