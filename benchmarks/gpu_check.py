@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +168,7 @@ def install_carried_wheels(wheels: Path, site: Path, log) -> list[str]:
     if wanted:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                "--no-cache-dir", "--upgrade", "--target", str(site), *wanted]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
         log(f"installed {', '.join(Path(w).name for w in wanted)} into {site}: exit code {proc.returncode}")
         if proc.returncode != 0:
             log(proc.stdout + proc.stderr)
@@ -196,31 +197,32 @@ def run_phase(phase: Phase, ctx: dict[str, Any], log) -> dict[str, Any]:
 
 
 def _run(cmd: list[str], timeout_s: float, ctx: dict[str, Any]) -> int | str:
+    """Run one command in its own process group, its output echoed and logged line by line; killed with its
+    children after `timeout_s` ("timeout")."""
     with open(ctx["log_path"], "a") as logf:
         proc = subprocess.Popen(
             cmd, cwd=harness.REPO_ROOT, env=ctx["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, bufsize=1, start_new_session=True,
         )  # fmt: skip
-        deadline = time.time() + timeout_s
-        assert proc.stdout is not None
-        os.set_blocking(proc.stdout.fileno(), False)
-        while True:
-            line = proc.stdout.readline()
-            if line:
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
                 sys.stdout.write(line)
-                logf.write(line)
-                continue
-            if proc.poll() is not None:
-                rest = proc.stdout.read() or ""
-                sys.stdout.write(rest)
-                logf.write(rest)
                 sys.stdout.flush()
-                return proc.returncode
-            if time.time() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return "timeout"
-            time.sleep(0.05)
+                logf.write(line)
+                logf.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc: int | str = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+        reader.join(timeout=10)
+    return rc
 
 
 def write_summary(summary: dict[str, Any], ctx: dict[str, Any]) -> None:
@@ -297,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(line)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    site = (logs if args.dry_run else Path(tempfile.gettempdir())) / "grpo_bench_site"
+    tmp = tempfile.gettempdir()
+    site = Path(tempfile.mkdtemp(prefix="grpo_bench_site_") if args.dry_run else f"{tmp}/grpo_bench_site")
     paths = [str(harness.REPO_ROOT), env.get("PYTHONPATH", ""), str(site)]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     revision = harness.git_revision()

@@ -11,12 +11,13 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import bench_loss
+from benchmarks import bench_loss, gpu_check
 from benchmarks.lib import harness
 from benchmarks.lib.contenders import FAULT_ENV
 
@@ -91,6 +92,29 @@ def test_revision_without_git(tmp_path, monkeypatch):
     assert harness.git_revision() == "abc123+dirty (recorded by fetch_wheels.sh)"
     monkeypatch.setenv(harness.REVISION_ENV, "def456")
     assert harness.git_revision() == "def456"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().split(")")[-1].split()[0] != "Z"  # a zombie is dead, not reaped
+
+
+def test_phase_timeout_kills_its_processes(tmp_path):
+    """A phase's command that outlives its budget is killed with the processes it started; its output is logged."""
+    child = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    ctx = {"log_path": tmp_path / "log", "env": dict(os.environ)}
+    assert gpu_check._run([sys.executable, "-c", child], 3.0, ctx) == "timeout"
+    grandchild = int((tmp_path / "log").read_text().split()[0])
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+    assert gpu_check._run([sys.executable, "-c", "print('done')"], 30.0, ctx) == 0
 
 
 def test_gpu_check_dry_run_without_trl(tmp_path):

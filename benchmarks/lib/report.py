@@ -84,11 +84,19 @@ def headline(payload: dict[str, Any]) -> list[str]:
             line = f"- **{name}**, {dtype_name}: {t:.2f}× ours' time{cpu}, {_ratio(m)} ours' peak memory (geometric "
             line += f"mean over {len(mine)} shapes); {where}: "
             if big is not None and big.get("time_vs_ours"):
-                line += f"{big['time_vs_ours']:.2f}× time, {_ratio(big.get('mem_vs_ours', math.nan))} memory."
+                line += f"{big['time_vs_ours']:.2f}× time, {_ratio(big.get('mem_vs_ours', math.nan))} memory"
+                line += _first_call(big, at.get((BASELINE, vocab, tokens))) + "."
             else:
                 line += f"{big['status'] if big else 'not run'}."
             lines.append(line)
     return lines
+
+
+def _first_call(r: dict[str, Any], ours: dict[str, Any] | None) -> str:
+    """', first call N ms (ours' M ms)' where the first call in a fresh process was timed (CPU mode)."""
+    if not r.get("first_call_ms") or not (ours or {}).get("first_call_ms"):
+        return ""
+    return f", first call {r['first_call_ms']['median']:.0f} ms (ours' {ours['first_call_ms']['median']:.0f} ms)"
 
 
 def _ratio(x: float) -> str:
