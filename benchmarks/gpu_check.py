@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(line)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.dry_run:
+        env.setdefault("TRITON_INTERPRET", "1")  # ours takes its Triton path on the CPU, as it does on the GPU
     tmp = tempfile.gettempdir()
     site = Path(tempfile.mkdtemp(prefix="grpo_bench_site_") if args.dry_run else f"{tmp}/grpo_bench_site")
     paths = [str(harness.REPO_ROOT), env.get("PYTHONPATH", ""), str(site)]
