@@ -157,22 +157,22 @@ def measure_l2(results: Path, dry: bool) -> None:
 
 
 def install_carried_wheels(wheels: Path, site: Path, log) -> list[str]:
-    """pip install --no-index the wheels in `wheels` whose module this Python lacks, into `site`."""
+    """pip install --no-index the wheels in `wheels` whose module this Python lacks, into `site`, one at a time, so
+    that a wheel that does not fit costs its own module only. Returns the wheels installed."""
     import importlib.util
 
-    wanted = []
+    done = []
     for wheel in sorted(wheels.glob("*.whl")):
         module = wheel.name.split("-")[0].lower()  # each carried wheel's module is its distribution's name
-        if importlib.util.find_spec(module) is None:
-            wanted.append(str(wheel))
-    if wanted:
+        if importlib.util.find_spec(module) is not None:
+            continue
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(site), *wanted]  # fmt: skip
+               "--no-cache-dir", "--upgrade", "--target", str(site), str(wheel)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
-        log(f"installed {', '.join(Path(w).name for w in wanted)} into {site}: exit code {proc.returncode}")
-        if proc.returncode != 0:
-            log(proc.stdout + proc.stderr)
-    return wanted
+        log(f"{module} was missing: {wheel.name} into {site}: exit code {proc.returncode} {proc.stderr.strip()[-300:]}")
+        if proc.returncode == 0:
+            done.append(wheel.name)
+    return done
 
 
 def run_phase(phase: Phase, ctx: dict[str, Any], log) -> dict[str, Any]:

@@ -117,6 +117,44 @@ def test_phase_timeout_kills_its_processes(tmp_path):
     assert gpu_check._run([sys.executable, "-c", "print('done')"], 30.0, ctx) == 0
 
 
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal pure-Python wheel of one module `name` (VALUE = 1)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    tags = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files = {
+        f"{name}/__init__.py": "VALUE = 1\n",
+        f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{name}-1.0.dist-info/WHEEL": tags,
+    }
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{path},sha256={digest(text)},{len(text.encode())}\n" for path, text in files.items())
+    files[f"{name}-1.0.dist-info/RECORD"] = record + f"{name}-1.0.dist-info/RECORD,,\n"
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for arc, text in files.items():
+            z.writestr(arc, text)
+    return path
+
+
+def test_carried_wheels_install_only_what_is_missing(tmp_path):
+    """The env phase installs a carried wheel whose module is missing (from the file, --no-index), not one whose
+    module this Python has."""
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _wheel(wheels, "grpo_bench_probe")
+    _wheel(wheels, "pytest")  # present here: left alone
+    installed = gpu_check.install_carried_wheels(wheels, site, lambda text: None)
+    assert installed == ["grpo_bench_probe-1.0-py3-none-any.whl"]
+    assert (site / "grpo_bench_probe" / "__init__.py").read_text() == "VALUE = 1\n"
+    assert not (site / "pytest").exists()
+
+
 def test_gpu_check_dry_run_without_trl(tmp_path):
     """`gpu_check.py --dry-run`: every phase, in order, on the CPU under the Triton interpreter, where trl fails to
     import. The kernel tests still run, trl's tests skip instead of aborting the collection, a fake sticky CUDA error
