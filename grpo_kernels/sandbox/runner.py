@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .launcher import OVER_MEMORY, SETUP_FAILED, SYSCALLS
+from .launcher import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
 _STUB = "import sys; sys.path.insert(0, sys.argv[1]); import {0}; {0}.main()"
@@ -277,6 +277,7 @@ def _run(
             given.write(stdin.encode() if isinstance(stdin, str) else stdin)
             given.seek(0)
             job_r, job_w = pipe()
+            status_r, status_w = pipe()
             fds = []
             if tests is not None:
                 calls_r, calls_w = pipe()
@@ -295,13 +296,14 @@ def _run(
                 "landlock_abi": plan.landlock_abi,
                 "seccomp": plan.seccomp,
                 "fds": fds,
+                "status_fd": status_w,
             }
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
             start = time.monotonic()
             sandbox = subprocess.Popen(
                 [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(job_r)],
                 stdin=given, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True,
-                pass_fds=[job_r, *fds],
+                pass_fds=[job_r, status_w, *fds],
             )  # fmt: skip
             procs.append(sandbox)
             if cgroup:
@@ -316,7 +318,7 @@ def _run(
                     env={"PATH": env["PATH"], "LANG": "C.UTF-8"}, pass_fds=[calls_w, replies_r, verdict_w],
                 )  # fmt: skip
                 procs.append(judge)
-            for fd in (job_r, *fds, *((calls_w, replies_r, verdict_w) if tests is not None else ())):
+            for fd in (job_r, status_w, *fds, *((calls_w, replies_r, verdict_w) if tests is not None else ())):
                 _close(fd, pipes)
             _feed(job_w, json.dumps(job).encode(), pipes)
             if tests is not None:
@@ -327,6 +329,7 @@ def _run(
             timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
             _kill(procs, cgroup, uid, plan)
             code = sandbox.returncode
+            over_memory = os.read(status_r, 64) == b"memory\n"  # every writer is dead: this cannot block
             stdout, stderr = _tail(out, limits.max_output_bytes), _tail(err, limits.max_output_bytes)
             if judge_out is not None:
                 judge_text = _tail(judge_out, limits.max_output_bytes)
@@ -343,7 +346,7 @@ def _run(
             _remove_cgroup(cgroup)
         shutil.rmtree(workdir, ignore_errors=True)
     limit = "time" if timed_out else "disk" if over_disk else None
-    if code == OVER_MEMORY or (cgroup and _oom_killed(cgroup)):
+    if over_memory or (cgroup and _oom_killed(cgroup)):
         limit = "memory"
     if code == SETUP_FAILED and "sandbox setup failed" in stderr:
         timed_out = False
