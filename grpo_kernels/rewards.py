@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import os
@@ -266,14 +267,19 @@ def _test_rows(
 
 
 def _test_row(row: Any, name: str) -> str | list[tuple[str, str]] | None:
-    if row is None or isinstance(row, str):
-        return row or None
-    if name == "verification_info":
+    if name == "verification_info" and row is not None:
+        if isinstance(row, str):  # the column as JSON text
+            try:
+                row = json.loads(row)
+            except ValueError:
+                pass
         if not isinstance(row, Mapping):
             raise TypeError(f"verification_info rows must be dicts with test_cases, got {type(row).__name__}")
         if row.get("language", "python") != "python":
             return None  # a task for another language: not applicable here
         row = row.get("test_cases")
+    if row is None or isinstance(row, str):
+        return row or None
     if not isinstance(row, Sequence) or not all(isinstance(c, Mapping) for c in row):
         raise TypeError(f"{name} rows must be source text or a list of {{'input', 'output'}} dicts, got {row!r:.80}")
     cases = []

@@ -20,9 +20,7 @@ HONEST = "def add(a, b):\n    return a + b\n"
 FORGERIES = {
     # print the success nonce the launcher kept in its globals, then leave before the tests run
     "nonce": (
-        "import os, sys\n"
-        "print('\\n' + str(getattr(sys.modules['__main__'], 'nonce', '')), flush=True)\n"
-        "os._exit(0)\n"
+        "import os, sys\nprint('\\n' + str(getattr(sys.modules['__main__'], 'nonce', '')), flush=True)\nos._exit(0)\n"
     ),
     # delete the tests from the launcher's list of units to run
     "delete-tests": (
@@ -169,7 +167,10 @@ def run_attacks(sandbox: Any, token: str, workers: int = 4) -> dict[str, Any]:
     markers = {kind: f"m{kind[0]}{token}"[:15] for kind in ("hopper", "daemon")}
     jobs = {name: (src, TESTS) for name, src in FORGERIES.items()}
     jobs |= {kind: (survivor_program(m, kind), TESTS) for kind, m in markers.items()}
-    jobs |= {"unix-path": (unix_program(listeners.path), TESTS), "unix-abstract": (unix_program(listeners.abstract), TESTS)}
+    jobs |= {
+        "unix-path": (unix_program(listeners.path), TESTS),
+        "unix-abstract": (unix_program(listeners.abstract), TESTS),
+    }
     jobs["memory-bomb"] = (memory_bomb(), TESTS)
     jobs["disk-filler"] = (disk_filler(), TESTS)
     jobs["honest"] = (HONEST, TESTS)

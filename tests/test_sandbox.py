@@ -113,12 +113,32 @@ def test_clean_program_and_tests():
 
 JUDGED = [
     # (solution, tests, passes): what crosses as plain data, what does not
-    ("def f():\n    return {(1, 'a'): [b'x', {2.5}], 'n': None}", "assert f() == {(1, 'a'): [b'x', {2.5}], 'n': None}", True),
-    ("def f():\n    return float('nan'), 10**100", "import math\nx, y = f()\nassert math.isnan(x) and y == 10**100", True),
-    ("class Solution:\n    def two(self, xs):\n        return sorted(xs)[:2]", "assert Solution().two([3, 1, 2]) == [1, 2]", True),
+    (
+        "def f():\n    return {(1, 'a'): [b'x', {2.5}], 'n': None}",
+        "assert f() == {(1, 'a'): [b'x', {2.5}], 'n': None}",
+        True,
+    ),
+    (
+        "def f():\n    return float('nan'), 10**100",
+        "import math\nx, y = f()\nassert math.isnan(x) and y == 10**100",
+        True,
+    ),
+    (
+        "class Solution:\n    def two(self, xs):\n        return sorted(xs)[:2]",
+        "assert Solution().two([3, 1, 2]) == [1, 2]",
+        True,
+    ),
     ("def make(k):\n    return lambda x: x + k", "assert make(2)(3) == 5", True),  # a returned callable, called
-    ("def div(a, b):\n    return a / b", "try:\n    div(1, 0)\nexcept ZeroDivisionError:\n    pass\nelse:\n    raise AssertionError", True),
-    ("def add(a, b):\n    return a + b", "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)", True),  # HumanEval
+    (
+        "def div(a, b):\n    return a / b",
+        "try:\n    div(1, 0)\nexcept ZeroDivisionError:\n    pass\nelse:\n    raise AssertionError",
+        True,
+    ),
+    (
+        "def add(a, b):\n    return a + b",
+        "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)",
+        True,
+    ),  # HumanEval
     ("LIMIT = 7\ndef f():\n    return LIMIT", "assert LIMIT == 7 and f() == 7", True),  # module data crosses as values
     ("def is_even(n):\n    return object()", "assert is_even(2)", False),  # not plain data: no truth value
     ("def f():\n    return object()", "assert f() != 3", False),  # nor comparisons
@@ -303,7 +323,17 @@ def test_wire_round_trip(value):
 
 @pytest.mark.parametrize(
     "tree",
-    [["i", "1e3"], ["d", [[["l", []], ["n"]]]], ["l", "xy"], ["q"], ["b", 1], "i", [], ["s", "a", "b"], ["f", "1" * 99]],
+    [
+        ["i", "1e3"],
+        ["d", [[["l", []], ["n"]]]],
+        ["l", "xy"],
+        ["q"],
+        ["b", 1],
+        "i",
+        [],
+        ["s", "a", "b"],
+        ["f", "1" * 99],
+    ],
 )
 def test_wire_refuses_malformed_trees(tree):
     with pytest.raises(sandbox.wire.NotPlain):

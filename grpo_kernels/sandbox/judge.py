@@ -1,6 +1,6 @@
 """The trusted side of a test run: holds the tests, calls the sandboxed solution through proxies, decides the verdict.
 
-Started by `runner` as `python -I -B -c <stub> <this folder>`, with the job on stdin; stdlib only. The solution never
+Started by `runner` as `python -I -S -B -c <stub> <this folder>`, with the job on stdin; stdlib only. The solution never
 executes in this process: each of its top-level names is a `Remote` here, a call crosses to the sandbox as plain
 data and its result comes back as plain data (`wire`), so every comparison the tests make runs on this
 interpreter's own builtin values. A result that is not plain data comes back as a `Remote` too, which may be called
@@ -130,10 +130,10 @@ def judge(tests: str, conn: Connection) -> tuple[bool, str]:
         if "error" in hello:
             return False, f"the solution raised while loading:\n{str(hello['error'])[-2000:]}"
         scope = namespace(conn, hello.get("names"))
-        exec(compile(tests, "tests.py", "exec"), scope)
+        exec(compile(tests, "tests.py", "exec"), scope)  # noqa: S102 - the trusted tests, in the judge
     except SystemExit as exc:  # the tests' own exit: their status decides
         return exc.code in (None, 0), f"the tests exited with {exc.code!r}"
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever ends the tests early fails them
         return False, traceback.format_exc(limit=-4)[-4000:]
     return True, ""
 
@@ -145,6 +145,7 @@ def main() -> None:
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)
     calls, replies, verdict = job["fds"]
+    sys.path += [p for p in job["path"] if p not in sys.path]
     passed, error = judge(job["tests"], Connection(calls, replies))
     wire.send(verdict, {"nonce": job["nonce"], "passed": passed, "error": error})
     os._exit(0)  # no atexit hooks or threads the tests may have left

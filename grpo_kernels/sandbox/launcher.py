@@ -17,12 +17,10 @@ import builtins
 import ctypes
 import json
 import os
-import platform
 import resource
 import signal
 import struct
 import sys
-import traceback
 import types
 
 try:
@@ -37,7 +35,13 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
+    0x20000,
+    0x8000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 CLONE_NAMESPACES = CLONE_NEWNS | 0x2000000 | 0x4000000 | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
@@ -89,7 +93,7 @@ def prctl(option: int, arg: int, what: str) -> None:
 
 
 def seccomp_program(machine: str) -> bytes:
-    """The filter for `machine` (`platform.machine()`): denied syscalls fail with EPERM, any other ABI is killed."""
+    """The filter for `machine` (`os.uname().machine`): denied syscalls fail with EPERM, any other ABI is killed."""
     nr = SYSCALLS[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
@@ -263,7 +267,7 @@ def resident_pages() -> int:
 
 
 def restrict_and_run(job: dict) -> None:
-    workdir, uid, machine = job["workdir"], job["uid"], platform.machine()
+    workdir, uid, machine = job["workdir"], job["uid"], os.uname().machine
     if uid is not None:
         try:
             os.setgroups([])
@@ -292,11 +296,13 @@ def restrict_and_run(job: dict) -> None:
 def run_program(program: str) -> None:
     scope = {"__name__": "__main__", "__builtins__": builtins}
     try:
-        exec(compile(program, "solution.py", "exec"), scope)
+        exec(compile(program, "solution.py", "exec"), scope)  # noqa: S102 - running it is the point, in here
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         flush_and_exit(code)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any way out but an exit is a failure
+        import traceback  # only a failing program pays for it
+
         traceback.print_exc()
         flush_and_exit(1)
     flush_and_exit(0)
@@ -328,8 +334,10 @@ def serve(program: str, calls: int, replies: int) -> None:
         return objects[value.id] if type(value) is wire.Handle else value
 
     try:
-        exec(compile(program, "solution.py", "exec"), scope)
-    except BaseException:
+        exec(compile(program, "solution.py", "exec"), scope)  # noqa: S102 - running it is the point, in here
+    except BaseException:  # noqa: BLE001 - a solution that does not load offers nothing
+        import traceback  # only a failing program pays for it
+
         wire.send(replies, {"error": traceback.format_exc(limit=-3)[-2000:]})
         flush_and_exit(1)
     names = {k: offer(v) for k, v in scope.items() if not k.startswith("__") and not isinstance(v, types.ModuleType)}
@@ -346,10 +354,10 @@ def serve(program: str, calls: int, replies: int) -> None:
                 kwargs = {k: argument(v) for k, v in message["kwargs"].items()}
                 value = obj(*args, **kwargs)
             reply = {"ok": offer(value)}
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - every failure of a call goes back to the judge
             try:
                 reply = {"raise": [type(exc).__name__, str(exc)[:2000]]}
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - an exception whose str() raises
                 reply = {"raise": [type(exc).__name__, ""]}
         wire.send(replies, reply)
     flush_and_exit(0)

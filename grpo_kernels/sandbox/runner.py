@@ -18,10 +18,12 @@ import secrets
 import select
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +34,9 @@ from .launcher import SETUP_FAILED, SYSCALLS
 _HERE = str(Path(__file__).resolve().parent)
 _STUB = "import sys; sys.path.insert(0, sys.argv[1]); import {0}; {0}.main()"
 _SAMPLES = itertools.count()
+# The judge starts without `site` (its .pth hooks cost more than the rest of its start) and imports the tests'
+# third-party modules from these folders.
+_SITE = [*site.getsitepackages(), site.getusersitepackages()]
 
 
 @dataclass(frozen=True)
@@ -121,13 +126,26 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-@functools.lru_cache(maxsize=1)
+_PLAN_LOCK = threading.Lock()
+
+
 def _plan() -> _Plan:
+    with _PLAN_LOCK:  # concurrent first runs (a reward's thread pool) probe once
+        return _probe_plan()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_plan() -> _Plan:
     """The strongest set of layers this machine supports, each confirmed by running a trivial program under it."""
     root = os.geteuid() == 0
     python, drop_uid = sys.executable, False
     if root:
-        for candidate in (sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3", "/usr/local/bin/python3"):
+        for candidate in (
+            sys.executable,
+            getattr(sys, "_base_executable", ""),
+            "/usr/bin/python3",
+            "/usr/local/bin/python3",
+        ):
             if candidate and os.path.exists(candidate) and _world_reachable(candidate):
                 python, drop_uid = candidate, True
                 break
@@ -145,7 +163,11 @@ def _plan() -> _Plan:
         replace(plan, cgroup=None, seccomp=False, landlock_abi=0, **no_ns),
         replace(plan, cgroup=None, seccomp=False, landlock_abi=0, drop_uid=False, **no_ns),
     ):
-        if _run(weaker, "print(6 * 7)", SandboxLimits(timeout=30)).passed:
+        try:
+            works = _run(weaker, "print(6 * 7)", SandboxLimits(timeout=30)).passed
+        except OSError:  # e.g. a cgroup that refuses its limits
+            works = False
+        if works:
             return weaker
     raise RuntimeError("the sandbox cannot run even a trivial program on this machine")
 
@@ -157,7 +179,9 @@ def isolation() -> dict[str, object]:
     if p.cgroup:
         memory = "cgroup v2 memory.max on the whole sample (no swap)"
     elif own_ns:
-        memory = "watched: the sample's total private resident memory, polled every 20 ms, plus each process's address space"
+        memory = (
+            "watched: the sample's total private resident memory, polled every 20 ms, plus each process's address space"
+        )
     else:
         memory = "per process only (address space): a sample may hold max_processes × memory_mb"
     if p.cgroup:
@@ -310,10 +334,10 @@ def _run(
                 _write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
             judge_out = None
             if tests is not None:
-                judge_out = tempfile.TemporaryFile()
+                judge_out = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, with the judge's run
                 nonce = secrets.token_hex(16)
                 judge = subprocess.Popen(
-                    [sys.executable, "-I", "-B", "-c", _STUB.format("judge"), _HERE],
+                    [sys.executable, "-I", "-S", "-B", "-c", _STUB.format("judge"), _HERE],
                     stdin=subprocess.PIPE, stdout=judge_out, stderr=judge_out, cwd="/", start_new_session=True,
                     env={"PATH": env["PATH"], "LANG": "C.UTF-8"}, pass_fds=[calls_w, replies_r, verdict_w],
                 )  # fmt: skip
@@ -322,7 +346,9 @@ def _run(
                 _close(fd, pipes)
             _feed(job_w, json.dumps(job).encode(), pipes)
             if tests is not None:
-                _feed_judge(judge, {"tests": tests, "nonce": nonce, "fds": [calls_w, replies_r, verdict_w]})
+                _feed_judge(
+                    judge, {"tests": tests, "nonce": nonce, "fds": [calls_w, replies_r, verdict_w], "path": _SITE}
+                )
             deadline = start + limits.timeout
             watch_disk = None if plan.mount_ns else limits.disk_mb * 2**20
             verdict, over_disk = _wait(sandbox, verdict_r if tests is not None else None, deadline, workdir, watch_disk)
@@ -340,8 +366,8 @@ def _run(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for fd in list(pipes):
-            _close(fd, pipes)
+        while pipes:  # the ends still open when a run stopped early
+            _close(pipes[-1], pipes)
         if cgroup:
             _remove_cgroup(cgroup)
         shutil.rmtree(workdir, ignore_errors=True)
