@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from grpo_kernels import sandbox
 from grpo_kernels.rewards import code_reward
-from grpo_kernels.sandbox import SandboxLimits, isolation, run_python, run_stdio, run_tests
+from grpo_kernels.sandbox import SandboxLimits, isolation, run_python, run_stdio, run_tests, runner
 from grpo_kernels.sandbox.launcher import AUDIT_ARCH, SYSCALLS, seccomp_program
 from tests import sandbox_attacks
 
@@ -354,3 +355,42 @@ NOT_PLAIN = [type("Int", (int,), {})(1), object(), [1, object()], 10**5000, nest
 def test_wire_refuses_what_is_not_plain(value):
     with pytest.raises(sandbox.wire.NotPlain):
         sandbox.wire.encode(value)
+
+
+@pytest.mark.parametrize("layer", ["seccomp", "mount_namespace"])
+def test_each_layer_alone_keeps_local_sockets_out_of_reach(layer):
+    plan = runner._plan()
+    if not getattr(plan, {"seccomp": "seccomp", "mount_namespace": "mount_ns"}[layer]):
+        pytest.skip(f"{layer} is not available on this machine")
+    alone = {
+        "seccomp": replace(plan, landlock_abi=0, user_ns=False, pid_ns=False, mount_ns=False, net_ns=False),
+        "mount_namespace": replace(plan, landlock_abi=0, seccomp=False),  # /tmp is the sample's own tmpfs
+    }[layer]
+    listeners = sandbox_attacks.UnixListeners(f"l{layer[0]}{os.getpid()}")
+    try:
+        result = runner._run(alone, sandbox_attacks.unix_program(listeners.path), LIMITS)
+        assert not result.passed and "AssertionError" in result.stderr
+        assert listeners.accepted() == 0
+        # the same program reaches it with neither layer: the test can fail
+        neither = replace(alone, seccomp=False, user_ns=False, pid_ns=False, mount_ns=False, net_ns=False)
+        assert runner._run(neither, sandbox_attacks.unix_program(listeners.path), LIMITS).passed
+        assert listeners.accepted() == 1
+    finally:
+        listeners.close()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the uid sweep needs a uid of the sample's own")
+@pytest.mark.parametrize("kind", ["hopper", "daemon"])
+def test_without_a_pid_namespace_the_uid_sweep_kills_everything(kind):
+    # the fallback where no PID namespace can be made: kill(-1) as the sample's uid until none of its processes lives
+    plan = replace(runner._plan(), user_ns=False, pid_ns=False, mount_ns=False, net_ns=False)
+    marker = f"w{kind[0]}{os.getpid() % 10**6}"
+    try:
+        result = runner._run(plan, sandbox_attacks.survivor_program(marker, kind), LIMITS)
+        assert result.passed and result.uid is not None  # it ran, and left its processes behind it
+        assert sandbox_attacks.marked_processes(marker) == []
+        time.sleep(1)
+        assert sandbox_attacks.marked_processes(marker) == []
+    finally:
+        for pid in sandbox_attacks.marked_processes(marker):
+            os.kill(pid, signal.SIGKILL)

@@ -43,7 +43,7 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x40000000,
 )
 CLONE_NAMESPACES = CLONE_NEWNS | 0x2000000 | 0x4000000 | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x1000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
 EPERM, ENOSYS = 1, 38
 
@@ -216,6 +216,7 @@ def init(job: dict) -> None:
             check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
             opts = f"size={job['disk_bytes']},nr_inodes=4096,mode=0700,uid={owner},gid={owner}".encode()
             check(libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount tmpfs")
+            hide_shared_folders(workdir, owner)
             if ns["pid"]:  # a /proc that shows only the sample's own processes
                 check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount proc")
         elif uid is not None:
@@ -249,6 +250,24 @@ def init(job: dict) -> None:
             os.write(job["status_fd"], b"memory\n")  # before the exit, hence before the judge can see the end
             os._exit(OVER_MEMORY)
         signal.sigtimedwait([signal.SIGCHLD], 0.02)
+
+
+def hide_shared_folders(workdir: str, owner: int) -> None:
+    """Over the folders where local sockets and shared files live, an empty read-only tmpfs (/run, /dev/shm,
+    /var/tmp) or the sample's own tmpfs (/tmp, with the working folder inside): nothing there can be reached or
+    filled from the sample."""
+    for path in ("/run", "/dev/shm", "/var/tmp"):
+        if os.path.isdir(path) and not os.path.islink(path):
+            flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+            check(
+                libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, b"size=4k,nr_inodes=1,mode=0555"), f"hide {path}"
+            )
+    parent, name = os.path.split(workdir)
+    if parent == "/tmp":  # the working folder moves into its own tmpfs, which then covers /tmp
+        inner = os.path.join(workdir, name)
+        os.mkdir(inner, 0o700)
+        os.chown(inner, owner, owner)
+        check(libc.mount(workdir.encode(), b"/tmp", None, MS_BIND, None), "bind /tmp")
 
 
 def resident_pages() -> int:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from .launcher import SETUP_FAILED, SYSCALLS
 
@@ -193,7 +194,7 @@ def isolation() -> dict[str, object]:
     if own_ns:
         cleanup = "PID namespace: its init exits when the program does, and the kernel kills every process left"
     elif p.drop_uid:
-        cleanup = "kill(-1) as the sample's uid, repeated until ESRCH"
+        cleanup = "kill(-1) as the sample's uid, repeated until none of its processes is alive"
     else:
         cleanup = "its process group only: a process that leaves it (setsid) survives the run"
     if p.seccomp:
@@ -297,7 +298,7 @@ def _run(
     cgroup = _sample_cgroup(plan, limits)
     procs: list[subprocess.Popen] = []
     try:
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as given:
+        with _memory_file() as out, _memory_file() as err, _memory_file() as given:
             given.write(stdin.encode() if isinstance(stdin, str) else stdin)
             given.seek(0)
             job_r, job_w = pipe()
@@ -334,7 +335,7 @@ def _run(
                 _write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
             judge_out = None
             if tests is not None:
-                judge_out = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, with the judge's run
+                judge_out = _memory_file()
                 nonce = secrets.token_hex(16)
                 judge = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-B", "-c", _STUB.format("judge"), _HERE],
@@ -447,7 +448,13 @@ def _folder_bytes(path: str) -> int:
     return total
 
 
-def _tail(f: tempfile._TemporaryFileWrapper[bytes], limit: int) -> str:
+def _memory_file() -> BinaryIO:
+    """A file in memory, not on any disk: what the sample writes to stdout and stderr cannot fill a folder of ours
+    (RLIMIT_FSIZE bounds it, as any file the sample writes)."""
+    return open(os.memfd_create("grpo-sandbox", os.MFD_CLOEXEC), "w+b")
+
+
+def _tail(f: BinaryIO, limit: int) -> str:
     size = f.seek(0, os.SEEK_END)
     f.seek(max(0, size - limit))
     return f.read().decode("utf-8", errors="replace")
@@ -473,12 +480,34 @@ def _kill(procs: list[subprocess.Popen], cgroup: str | None, uid: int | None, pl
         _kill_uid(uid, plan.python)
 
 
+_KILL_UID = """
+import os
+def alive():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and status["Uid"].split()[0] == str(os.getuid()) and "Z" not in status["State"]:
+            return True
+    return False
+for _ in range(10000):
+    try:
+        os.kill(-1, 9)
+    except ProcessLookupError:
+        break
+    if not alive():
+        break
+"""
+
+
 def _kill_uid(uid: int, python: str) -> None:
-    # kill(-1) as that uid reaches exactly its processes, atomically: a fork racing it is cancelled; ESRCH means
-    # none is left.
-    program = "import os\nwhile True:\n    try:\n        os.kill(-1, 9)\n    except ProcessLookupError:\n        break"
+    # kill(-1) as that uid reaches exactly its processes, atomically: a fork racing it fails, since its parent
+    # already has SIGKILL pending. It returns ESRCH only where no other process exists at all, so the helper
+    # repeats it until /proc shows none of the uid's processes alive.
     subprocess.run(
-        [python, "-I", "-S", "-c", program], user=uid, group=uid, extra_groups=[], env={}, timeout=30, check=False,
+        [python, "-I", "-S", "-c", _KILL_UID], user=uid, group=uid, extra_groups=[], env={}, timeout=30, check=False,
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 

@@ -127,18 +127,22 @@ class Reader:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.buffer = b""
+        self.buffer = bytearray()
 
     def receive(self) -> dict | None:
         """The next message, or None at end of file; `NotPlain` when it is too long or not a JSON object."""
-        while b"\n" not in self.buffer:
+        end = self.buffer.find(b"\n")
+        while end < 0:
             if len(self.buffer) > MAX_MESSAGE:
                 raise NotPlain(f"a message over {MAX_MESSAGE} bytes")
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:
                 return None
+            newline = chunk.find(b"\n")
+            end = -1 if newline < 0 else len(self.buffer) + newline
             self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
+        line = bytes(self.buffer[:end])
+        del self.buffer[: end + 1]
         try:
             message = json.loads(line)
         except (ValueError, RecursionError) as err:
