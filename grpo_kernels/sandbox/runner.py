@@ -160,6 +160,7 @@ def _probe_plan() -> _Plan:
         plan,
         replace(plan, cgroup=None),
         replace(plan, cgroup=None, seccomp=False),
+        replace(plan, cgroup=None, **no_ns),  # seccomp needs no privilege: keep it where namespaces fail
         replace(plan, cgroup=None, seccomp=False, **no_ns),
         replace(plan, cgroup=None, seccomp=False, landlock_abi=0, **no_ns),
         replace(plan, cgroup=None, seccomp=False, landlock_abi=0, drop_uid=False, **no_ns),
