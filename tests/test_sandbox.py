@@ -394,3 +394,47 @@ def test_without_a_pid_namespace_the_uid_sweep_kills_everything(kind):
     finally:
         for pid in sandbox_attacks.marked_processes(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_wire_reader_frames_and_refuses():
+    r, w = os.pipe()
+    try:
+        reader = sandbox.wire.Reader(r)
+        sandbox.wire.send(w, {"a": 1})
+        os.write(w, b'{"b": [2]}\n[1, 2]\n{"c"')
+        assert reader.receive() == {"a": 1} and reader.receive() == {"b": [2]}
+        with pytest.raises(sandbox.wire.NotPlain, match="malformed message"):
+            reader.receive()  # a JSON list, not an object
+        os.write(w, b": 3}\n" + b"[" * 5000 + b"\n")  # under a pipe buffer: nobody reads yet
+        assert reader.receive() == {"c": 3}
+        with pytest.raises(sandbox.wire.NotPlain):
+            reader.receive()  # nested past the parser's recursion limit
+        os.close(w)
+        w = -1
+        assert reader.receive() is None  # end of file
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_judge_refuses_what_a_solution_could_rig():
+    from grpo_kernels.sandbox import judge
+
+    r, w = os.pipe()
+    try:
+        conn = judge.Connection(calls=-1, replies=r)
+        remote = conn.value(["h", 3])
+        for use in (bool, lambda x: x == 0, lambda x: 0 != x, lambda x: x in [0]):
+            with pytest.raises(TypeError, match="only plain data"):
+                use(remote)
+        with pytest.raises(TypeError, match="only plain data can be passed"):
+            conn.argument(object())
+        assert conn.argument(remote) == ["h", 3]
+        names = judge.namespace(conn, {"len": ["i", "3"], "__import__": ["n"], "f": ["h", 0], "X": ["i", "7"]})
+        assert set(names) == {"__name__", "f", "X"} and names["X"] == 7  # builtins and dunders stay the judge's
+        with pytest.raises(judge.RemoteError, match="malformed"):
+            conn.value(["i", "0x10"])
+    finally:
+        os.close(r)
+        os.close(w)

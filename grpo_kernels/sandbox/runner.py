@@ -198,12 +198,21 @@ def isolation() -> dict[str, object]:
         cleanup = "kill(-1) as the sample's uid, repeated until none of its processes is alive"
     else:
         cleanup = "its process group only: a process that leaves it (setsid) survives the run"
-    if p.seccomp:
-        unix = "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included"
-    elif p.landlock_abi >= 6:
-        unix = "Landlock scope: abstract sockets outside the sample are refused; pathname sockets are reachable"
-    else:
-        unix = "reachable"
+    unix = (
+        "; ".join(
+            layer
+            for layer, on in (
+                (
+                    "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included",
+                    p.seccomp,
+                ),
+                ("the mount namespace hides /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
+                ("Landlock scope: abstract sockets outside the sample are refused", p.landlock_abi >= 6),
+            )
+            if on
+        )
+        or "reachable"
+    )
     return {
         "python": p.python,
         "separate_uid": p.drop_uid,
