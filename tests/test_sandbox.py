@@ -438,3 +438,34 @@ def test_judge_refuses_what_a_solution_could_rig():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_cgroup_kill_leaves_nothing():
+    # the cleanup of the cgroup layer, on its own: a cgroup v2 without controllers is enough for cgroup.kill
+    base = runner.own_cgroup2()
+    if not IS_ROOT or base is None or not os.path.exists(os.path.join(base, "cgroup.procs")):
+        pytest.skip("needs root and a cgroup v2 hierarchy")
+    folder = os.path.join(base, f"grpo-sandbox-test-{os.getpid()}")
+    try:
+        os.mkdir(folder)
+    except OSError as err:
+        pytest.skip(f"cannot make a cgroup here: {err}")
+    marker = f"c{os.getpid() % 10**6}"
+    try:
+        hopper = sandbox_attacks.survivor_program(marker, "hopper").replace("time.sleep(0.5)", "time.sleep(60)")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read(1)\n" + hopper], stdin=subprocess.PIPE
+        )
+        Path(folder, "cgroup.procs").write_text(str(proc.pid))
+        proc.stdin.write(b"x")
+        proc.stdin.close()  # now it forks, inside the cgroup
+        time.sleep(0.3)
+        assert sandbox_attacks.marked_processes(marker)
+        runner._kill_cgroup(folder)
+        proc.wait()
+        assert Path(folder, "cgroup.procs").read_text() == "" and sandbox_attacks.marked_processes(marker) == []
+    finally:
+        for pid in sandbox_attacks.marked_processes(marker):
+            os.kill(pid, signal.SIGKILL)
+        runner._remove_cgroup(folder)
+    assert not os.path.exists(folder)

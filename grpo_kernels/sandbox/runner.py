@@ -100,15 +100,25 @@ def _landlock_abi() -> int:
         return 0
 
 
-def _cgroup_parent() -> str | None:
-    """A cgroup v2 folder of our own with the memory and pids controllers for its children, or None."""
+def own_cgroup2() -> str | None:
+    """The folder of this process's cgroup in the cgroup v2 hierarchy, or None where there is none."""
     try:
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split() for line in f]
         root = next(m[4] for m in mounts if m[m.index("-") + 1] == "cgroup2")
         with open("/proc/self/cgroup") as f:
             own = next(line.strip()[3:] for line in f if line.startswith("0::"))
-        base = os.path.join(root, own.lstrip("/"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return os.path.join(root, own.lstrip("/"))
+
+
+def _cgroup_parent() -> str | None:
+    """A cgroup v2 folder of our own with the memory and pids controllers for its children, or None."""
+    base = own_cgroup2()
+    if base is None:
+        return None
+    try:
         with open(os.path.join(base, "cgroup.controllers")) as f:
             if not {"memory", "pids"} <= set(f.read().split()):
                 return None
@@ -116,10 +126,10 @@ def _cgroup_parent() -> str | None:
         parent = os.path.join(base, f"grpo-sandbox-{os.getpid()}")
         os.makedirs(parent, exist_ok=True)
         _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
-        atexit.register(_remove_cgroup, parent)
-        return parent
-    except (OSError, StopIteration, ValueError, IndexError):
+    except OSError:
         return None
+    atexit.register(_remove_cgroup, parent)
+    return parent
 
 
 def _write(path: str, text: str) -> None:
@@ -305,9 +315,10 @@ def _run(
         return r, w
 
     workdir = tempfile.mkdtemp(prefix=f"grpo-sandbox-{os.getpid()}-")
-    cgroup = _sample_cgroup(plan, limits)
+    cgroup = None
     procs: list[subprocess.Popen] = []
     try:
+        cgroup = _sample_cgroup(plan, limits)
         with _memory_file() as out, _memory_file() as err, _memory_file() as given:
             given.write(stdin.encode() if isinstance(stdin, str) else stdin)
             given.seek(0)
@@ -527,17 +538,21 @@ def _sample_cgroup(plan: _Plan, limits: SandboxLimits) -> str | None:
         return None
     path = os.path.join(plan.cgroup, f"s{next(_SAMPLES)}")
     os.mkdir(path)
-    for name, value in (
-        ("memory.max", limits.memory_mb * 2**20),
-        ("memory.swap.max", 0),
-        ("memory.oom.group", 1),
-        ("pids.max", limits.max_processes),
-    ):
-        try:
-            _write(os.path.join(path, name), str(value))
-        except FileNotFoundError:
-            if name != "memory.swap.max":  # no swap accounting on this kernel: nothing to limit
-                raise
+    try:
+        for name, value in (
+            ("memory.max", limits.memory_mb * 2**20),
+            ("memory.swap.max", 0),
+            ("memory.oom.group", 1),
+            ("pids.max", limits.max_processes + 2),  # the launcher and the init count too
+        ):
+            try:
+                _write(os.path.join(path, name), str(value))
+            except FileNotFoundError:
+                if name != "memory.swap.max":  # no swap accounting on this kernel: nothing to limit
+                    raise
+    except OSError:
+        _remove_cgroup(path)
+        raise
     return path
 
 
