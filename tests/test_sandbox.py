@@ -169,8 +169,13 @@ def test_stdio_cases():
     cases = [("1 2", "3"), ("  2   2 \n", "4\n\n"), ("5 5", "11"), ("x", "")]
     assert run_stdio(program, cases, limits=LIMITS) == [True, True, False, False]  # "x": a crash is no pass
     assert run_stdio(program, cases[2:] + cases[:1], limits=LIMITS, stop_at_first_failure=True) == [False] * 3
-    slow = "import time\nn = int(input())\ntime.sleep(n)\nprint(n)"
-    assert run_stdio(slow, [("0", "0"), ("30", "30")], limits=LIMITS, time_limit=2.0) == [True, False]
+    slow = "import sys, time\nn = int(sys.stdin.read())\ntime.sleep(n)\nprint(n)"
+    cases = [("0", "0"), ("30", "30"), ("0", "0")]
+    assert run_stdio(slow, cases, limits=LIMITS, time_limit=2.0) == [True, False, True]  # one slow case is one
+    # a program that kills what runs its cases inside the sandbox fails them all, and nothing hangs
+    start = time.monotonic()
+    assert run_stdio("import os\nos.kill(os.getppid(), 9)", cases, limits=LIMITS, time_limit=2.0) == [False] * 3
+    assert time.monotonic() - start < 10
 
 
 def test_many_concurrent_samples_leak_nothing():

@@ -6,8 +6,9 @@ Started by `runner` as `python -I -S -B -c <stub> <this folder> <job fd>`; stdli
   the sample's total memory and reaps; when the program's process ends, the init exits, and with it the kernel
   kills every process left in the namespace;
 - the program's process, which drops its privileges (a fresh uid, or no capabilities in a user namespace), restricts
-  itself (no new privileges, Landlock, seccomp) and then runs the code: as `__main__` ("program" mode) or by serving
-  calls from the judge, one plain-data message each way ("functions" mode).
+  itself (no new privileges, Landlock, seccomp) and then runs the code: as `__main__` ("program" mode), by serving
+  calls from the judge, one plain-data message each way ("functions" mode), or once per stdin input, each in a
+  process forked for it, reporting each output to the caller ("cases" mode).
 Nothing is exec'd once the privileges are gone, so a setuid binary or a new interpreter grants nothing back.
 """
 
@@ -21,6 +22,7 @@ import resource
 import signal
 import struct
 import sys
+import time
 import types
 
 try:
@@ -309,13 +311,16 @@ def restrict_and_run(job: dict) -> None:
     sys.orig_argv[:] = [sys.executable, "solution.py"]
     if job["mode"] == "functions":
         serve(job["program"], *job["fds"])
+    if job["mode"] == "cases":
+        run_cases(job["program"], job["cases"], *job["fds"], job["case_seconds"], job["output_bytes"])
     run_program(job["program"])
 
 
-def run_program(program: str) -> None:
+def run_program(program: str | types.CodeType) -> None:
     scope = {"__name__": "__main__", "__builtins__": builtins}
     try:
-        exec(compile(program, "solution.py", "exec"), scope)  # noqa: S102 - running it is the point, in here
+        code = compile(program, "solution.py", "exec") if isinstance(program, str) else program
+        exec(code, scope)  # noqa: S102 - running it is the point, in here
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         flush_and_exit(code)
@@ -325,6 +330,63 @@ def run_program(program: str) -> None:
         traceback.print_exc()
         flush_and_exit(1)
     flush_and_exit(0)
+
+
+def run_cases(program: str, inputs: list[str], replies: int, seconds: float, output_bytes: int) -> None:
+    """Run `program` once per input, each in a process of its own forked from here with that input on stdin, and
+    report each exit status and output to the caller, which compares them (and times the reports itself)."""
+    try:
+        code = compile(program, "solution.py", "exec")
+    except (SyntaxError, ValueError) as err:
+        code = None
+        error = f"{type(err).__name__}: {err}"
+    for i, given in enumerate(inputs):
+        if code is None:
+            wire.send(replies, {"case": i, "status": 1, "stdout": "", "error": error})
+            continue
+        stdin, stdout = os.memfd_create("stdin"), os.memfd_create("stdout")
+        os.write(stdin, given.encode())
+        os.lseek(stdin, 0, os.SEEK_SET)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)
+            os.dup2(stdin, 0)
+            os.dup2(stdout, 1)
+            for fd in (stdin, stdout, replies):
+                os.close(fd)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+            run_program(code)
+        status, timed_out = wait_for(pid, seconds)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # what this case left running (a setsid one dies with the sample)
+        except OSError:
+            pass
+        size = os.lseek(stdout, 0, os.SEEK_END)
+        os.lseek(stdout, 0, os.SEEK_SET)
+        out = os.read(stdout, output_bytes + 1) if size else b""
+        os.close(stdin)
+        os.close(stdout)
+        report = {"case": i, "status": status, "timed_out": timed_out, "stdout": out.decode("utf-8", "replace")}
+        wire.send(replies, report | {"cut": size > output_bytes})
+    flush_and_exit(0)
+
+
+def wait_for(pid: int, seconds: float) -> tuple[int, bool]:
+    """(exit status, timed out) of child `pid`, killed after `seconds` of wall clock."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -signal.SIGKILL, True
+        signal.sigtimedwait([signal.SIGCHLD], min(left, 0.05))
 
 
 def flush_and_exit(code: int) -> None:

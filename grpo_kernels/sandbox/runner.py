@@ -12,6 +12,7 @@ import ctypes
 import functools
 import itertools
 import json
+import math
 import os
 import platform
 import secrets
@@ -25,11 +26,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
+from . import wire
 from .launcher import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -272,22 +274,25 @@ def run_stdio(
     time_limit: float | None = None,
     stop_at_first_failure: bool = False,
 ) -> list[bool]:
-    """Run `program` once per (input, expected output) case, each in a fresh sandbox, `time_limit` seconds of wall
-    clock each (else `limits.timeout`); a case passes when the program exits 0 and its output equals the expected
-    one after `normalize_output`. The comparison happens here, in the caller."""
+    """Run `program` once per (input, expected output) case, each in a process of its own inside one sandbox, with
+    `time_limit` seconds of wall clock each (else `limits.timeout`); a case passes when the program exits 0 and its
+    output equals the expected one after `normalize_output`. The comparison happens here, in the caller, which never
+    sends the expected outputs into the sandbox."""
     limits = limits or SandboxLimits()
-    if time_limit is not None:
-        limits = replace(limits, timeout=time_limit, cpu_seconds=max(1, int(time_limit + 0.999)))
-    plan, verdicts = _plan(), []
-    for given, expected in cases:
-        room = replace(limits, max_output_bytes=max(limits.max_output_bytes, 2 * len(expected) + 4096))
-        result = _run(plan, program, room, stdin=given)
-        fits = len(result.stdout.encode()) < room.max_output_bytes  # a cut tail can't be compared
-        verdicts.append(result.passed and fits and normalize_output(result.stdout) == normalize_output(expected))
-        if stop_at_first_failure and not verdicts[-1]:
-            verdicts += [False] * (len(cases) - len(verdicts))
-            break
-    return verdicts
+    seconds = limits.timeout if time_limit is None else time_limit
+    limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))
+    expected = [normalize_output(out) for _, out in cases]
+    verdicts: list[bool] = []
+
+    def judge(i: int, report: dict) -> bool:
+        ok = report.get("status") == 0 and not report.get("timed_out") and not report.get("cut")
+        verdicts.append(ok and normalize_output(str(report.get("stdout", ""))) == expected[i])
+        return verdicts[-1]
+
+    room = max(limits.max_output_bytes, 2 * max((len(out) for _, out in cases), default=0) + 4096)
+    work = Cases([given for given, _ in cases], seconds, room, judge, stop_at_first_failure)
+    _run(_plan(), program, limits, cases=work)
+    return verdicts + [False] * (len(cases) - len(verdicts))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,7 +300,13 @@ def run_stdio(
 
 
 def _run(
-    plan: _Plan, program: str, limits: SandboxLimits, *, tests: str | None = None, stdin: str | bytes = b""
+    plan: _Plan,
+    program: str,
+    limits: SandboxLimits,
+    *,
+    tests: str | None = None,
+    stdin: str | bytes = b"",
+    cases: Cases | None = None,
 ) -> SandboxResult:
     uid = 1_000_000_000 + secrets.randbelow(1_000_000_000) if plan.drop_uid else None  # owns no file, no process
     rlimits = {
@@ -325,13 +336,16 @@ def _run(
             job_r, job_w = pipe()
             status_r, status_w = pipe()
             fds = []
+            if cases is not None:
+                reports_r, reports_w = pipe()
+                fds = [reports_w]
             if tests is not None:
                 calls_r, calls_w = pipe()
                 replies_r, replies_w = pipe()
                 verdict_r, verdict_w = pipe()
                 fds = [calls_r, replies_w]
             job = {
-                "mode": "program" if tests is None else "functions",
+                "mode": "functions" if tests is not None else "cases" if cases is not None else "program",
                 "program": program,
                 "uid": uid,
                 "workdir": workdir,
@@ -344,6 +358,8 @@ def _run(
                 "fds": fds,
                 "status_fd": status_w,
             }
+            if cases is not None:
+                job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
             start = time.monotonic()
             sandbox = subprocess.Popen(
@@ -373,8 +389,14 @@ def _run(
                 )
             deadline = start + limits.timeout
             watch_disk = None if plan.mount_ns else limits.disk_mb * 2**20
-            verdict, over_disk = _wait(sandbox, verdict_r if tests is not None else None, deadline, workdir, watch_disk)
-            timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
+            if cases is not None:
+                over_disk = _collect(cases, reports_r, deadline, workdir, watch_disk)
+                verdict, timed_out = None, False
+            else:
+                verdict, over_disk = _wait(
+                    sandbox, verdict_r if tests is not None else None, deadline, workdir, watch_disk
+                )
+                timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
             _kill(procs, cgroup, uid, plan)
             code = sandbox.returncode
             over_memory = os.read(status_r, 64) == b"memory\n"  # every writer is dead: this cannot block
@@ -406,6 +428,48 @@ def _run(
         if isinstance(verdict, dict) and verdict.get("error"):
             stderr += str(verdict["error"])
     return SandboxResult(code, stdout, stderr, timed_out, passed, uid, limit)
+
+
+@dataclass
+class Cases:
+    """The stdin/stdout form within one run: the inputs go in, one report per case comes back in `reports`."""
+
+    inputs: list[str]
+    seconds: float  # wall clock per case, timed by the sandbox's runner and, with `_GRACE`, here
+    output_bytes: int
+    judge: Callable[[int, dict], bool]  # a case's verdict from its report; False ends the run when `stop` is set
+    stop: bool = False
+    reports: list[dict] = field(default_factory=list)
+
+
+_GRACE = 1.0  # seconds a case's report may come after its time limit before the whole run is stopped
+
+
+def _collect(cases: Cases, fd: int, deadline: float, workdir: str, watch_disk: int | None) -> bool:
+    """Read the case reports until all came, one came late, or a verdict stops the run: over the disk quota?
+    Each report must arrive within its case's limit (and `_GRACE`) of the one before, `deadline` for the first:
+    the runner inside the sandbox times the cases, and this is the check that does not trust it."""
+    reader = wire.Reader(fd)
+    due = deadline + cases.seconds
+    while len(cases.reports) < len(cases.inputs):
+        left = due - time.monotonic()
+        if left <= 0:
+            return False
+        if not select.select([fd], [], [], min(left, 0.02) if watch_disk is not None else left)[0]:
+            if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
+                return True
+            continue
+        try:
+            report = reader.receive()
+        except wire.NotPlain:
+            return False
+        if report is None or report.get("case") != len(cases.reports):
+            return False
+        cases.reports.append(report)
+        if not cases.judge(len(cases.reports) - 1, report) and cases.stop:
+            return False
+        due = time.monotonic() + cases.seconds + _GRACE
+    return False
 
 
 def _close(fd: int, pipes: list[int]) -> None:
