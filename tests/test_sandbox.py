@@ -162,6 +162,8 @@ JUDGED = [
     ("import os\ndef f():\n    os._exit(0)", "f()", False),
     ("def f(:\n    pass", "pass", False),  # does not load
     ("def f(x):\n    return x", "f(lambda: 0)", False),  # only plain data goes in
+    ("import math as m\ndef f():\n    return 0.5", "assert m.isclose(f(), 0.5)", True),  # MBPP relies on this
+    ("import os\ndef f():\n    return 1", "os.getcwd()", False),  # only a few harmless modules are lent
 ]
 
 
@@ -450,8 +452,13 @@ def test_judge_refuses_what_a_solution_could_rig():
         with pytest.raises(TypeError, match="only plain data can be passed"):
             conn.argument(object())
         assert conn.argument(remote) == ["h", 3]
-        names = judge.namespace(conn, {"len": ["i", "3"], "__import__": ["n"], "f": ["h", 0], "X": ["i", "7"]})
-        assert set(names) == {"__name__", "f", "X"} and names["X"] == 7  # builtins and dunders stay the judge's
+        names = judge.namespace(
+            conn,
+            {"len": ["i", "3"], "__import__": ["n"], "f": ["h", 0], "X": ["i", "7"]},
+            {"math": "math", "m": "os", "print": "math", "f": "math"},
+        )
+        assert set(names) == {"__name__", "f", "X", "math"} and names["X"] == 7  # builtins, dunders: the judge's
+        assert names["math"] is math and type(names["f"]) is judge.Remote
         with pytest.raises(judge.RemoteError, match="malformed"):
             conn.value(["i", "0x10"])
     finally:

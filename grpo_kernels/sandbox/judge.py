@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import importlib
 import json
 import os
 import sys
@@ -112,14 +113,26 @@ class Connection:
         raise RemoteError(f"{name}: {text}")
 
 
-def namespace(conn: Connection, names: object) -> dict:
-    """The tests' globals: the solution's top-level names, except any that would shadow a builtin."""
-    if type(names) is not dict:
+# Modules the solution imported that the tests may use without importing them (MBPP's tests call `math.isclose`
+# on the strength of the solution's `import math`): the judge imports its own copy, and only of these.
+MODULES = frozenset({
+    "bisect", "cmath", "collections", "copy", "datetime", "decimal", "fractions", "functools", "heapq", "itertools",
+    "math", "operator", "random", "re", "statistics", "string", "typing",
+})  # fmt: skip
+
+
+def namespace(conn: Connection, names: object, modules: object = None) -> dict:
+    """The tests' globals: the solution's top-level names, except any that would shadow a builtin, and the judge's
+    own copy of the `MODULES` it imported."""
+    if type(names) is not dict or type(modules or {}) is not dict:
         raise RemoteError("the solution sent malformed names")
     scope: dict = {"__name__": "__main__"}
     for name, tree in names.items():
         if name.isidentifier() and not name.startswith("__") and not hasattr(builtins, name):
             scope[name] = conn.value(tree)
+    for name, module in (modules or {}).items():
+        if module in MODULES and name.isidentifier() and not hasattr(builtins, name) and name not in scope:
+            scope[name] = importlib.import_module(module)
     return scope
 
 
@@ -129,7 +142,7 @@ def judge(tests: str, conn: Connection) -> tuple[bool, str]:
         hello = conn.receive()
         if "error" in hello:
             return False, f"the solution raised while loading:\n{str(hello['error'])[-2000:]}"
-        scope = namespace(conn, hello.get("names"))
+        scope = namespace(conn, hello.get("names"), hello.get("modules"))
         exec(compile(tests, "tests.py", "exec"), scope)  # noqa: S102 - the trusted tests, in the judge
     except SystemExit as exc:  # the tests' own exit: their status decides
         return exc.code in (None, 0), f"the tests exited with {exc.code!r}"

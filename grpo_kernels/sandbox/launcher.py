@@ -421,8 +421,10 @@ def serve(program: str, calls: int, replies: int) -> None:
 
         wire.send(replies, {"error": traceback.format_exc(limit=-3)[-2000:]})
         flush_and_exit(1)
-    names = {k: offer(v) for k, v in scope.items() if not k.startswith("__") and not isinstance(v, types.ModuleType)}
-    wire.send(replies, {"names": names})
+    public = {k: v for k, v in scope.items() if not k.startswith("__")}
+    names = {k: offer(v) for k, v in public.items() if not isinstance(v, types.ModuleType)}
+    modules = {k: v.__name__ for k, v in public.items() if isinstance(v, types.ModuleType)}
+    wire.send(replies, {"names": names, "modules": modules})
     reader = wire.Reader(calls)
     while (message := reader.receive()) is not None:
         try:
