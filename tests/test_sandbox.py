@@ -23,8 +23,8 @@ import pytest
 
 from grpo_kernels import sandbox
 from grpo_kernels.rewards import code_reward
-from grpo_kernels.sandbox import SandboxLimits, isolation, run_python, run_stdio, run_tests, runner
-from grpo_kernels.sandbox.launcher import AUDIT_ARCH, SYSCALLS, seccomp_program
+from grpo_kernels.sandbox import SandboxLimits, cleanup, isolation, plan, run_python, run_stdio, run_tests, runner
+from grpo_kernels.sandbox.restrict import AUDIT_ARCH, SYSCALLS, seccomp_program
 from tests import sandbox_attacks
 
 LIMITS = SandboxLimits(timeout=30.0, cpu_seconds=20, memory_mb=256)  # what ends early: roomy, for a loaded machine
@@ -468,7 +468,7 @@ def test_judge_refuses_what_a_solution_could_rig():
 
 def test_cgroup_kill_leaves_nothing():
     # the cleanup of the cgroup layer, on its own: a cgroup v2 without controllers is enough for cgroup.kill
-    base = runner.own_cgroup2()
+    base = plan.own_cgroup2()
     if not IS_ROOT or base is None or not os.path.exists(os.path.join(base, "cgroup.procs")):
         pytest.skip("needs root and a cgroup v2 hierarchy")
     folder = os.path.join(base, f"grpo-sandbox-test-{os.getpid()}")
@@ -487,11 +487,11 @@ def test_cgroup_kill_leaves_nothing():
         proc.stdin.close()  # now it forks, inside the cgroup
         time.sleep(0.3)
         assert sandbox_attacks.marked_processes(marker)
-        runner._kill_cgroup(folder)
+        cleanup.kill_cgroup(folder)
         proc.wait()
         assert Path(folder, "cgroup.procs").read_text() == "" and sandbox_attacks.marked_processes(marker) == []
     finally:
         for pid in sandbox_attacks.marked_processes(marker):
             os.kill(pid, signal.SIGKILL)
-        runner._remove_cgroup(folder)
+        plan.remove_cgroup(folder)
     assert not os.path.exists(folder)

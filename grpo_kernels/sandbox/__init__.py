@@ -1,12 +1,14 @@
 """Run untrusted Python (a policy's code) in a throw-away, locked-down sandbox, and judge it from outside.
 
-- `runner`: the caller's side: the layers this machine allows (`isolation()`), a run, its watch, its cleanup.
-- `launcher`: the sandboxed side: namespaces, a private tmpfs, a fresh uid, Landlock, seccomp, then the code.
+- `runner`: the caller's side: the public entry points, a run and its watch.
+- `plan`: the layers this machine allows and what they guarantee (`isolation()`); `cleanup`: killing all of a run.
+- `launcher`: the sandboxed side: namespaces, a private tmpfs, a fresh uid, then the code; `restrict`: the
+  restrictions it applies to itself (seccomp, Landlock, capabilities).
 - `judge`: the trusted process that holds the tests and calls the solution through plain-data proxies.
 - `wire`: the plain data that crosses between them.
 """
 
-from .launcher import SETUP_FAILED
+from .restrict import SETUP_FAILED
 from .runner import SandboxLimits, SandboxResult, isolation, normalize_output, run_python, run_stdio, run_tests
 
 __all__ = [

@@ -20,153 +20,17 @@ import json
 import os
 import resource
 import signal
-import struct
 import sys
 import time
 import types
 
 try:
-    from . import wire
+    from . import restrict, wire
 except ImportError:  # run as a script from its folder (see the module docstring)
+    import restrict
     import wire
 
-SETUP_FAILED = 97  # the exit status of a run whose isolation could not be applied (with a message on stderr)
 OVER_MEMORY = 96  # the exit status when the init killed the sample for its total memory
-
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
-    0x20000,
-    0x8000000,
-    0x10000000,
-    0x20000000,
-    0x40000000,
-)
-CLONE_NAMESPACES = CLONE_NEWNS | 0x2000000 | 0x4000000 | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x1000, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
-EPERM, ENOSYS = 1, 38
-
-# Syscalls the sandboxed code never needs and that would reach past the other layers: sockets (AF_UNIX is not
-# covered by the network namespace), io_uring (it can open sockets without socket()), new namespaces and mounts (a
-# tmpfs of its own would escape the disk quota), tracing other processes, BPF, keyrings. clone3 answers ENOSYS so
-# that the C library falls back to clone, whose flags the filter can inspect.
-SYSCALLS = {
-    "x86_64": {
-        "socket": 41, "socketpair": 53, "ptrace": 101, "chroot": 161, "pivot_root": 155, "mount": 165,
-        "umount2": 166, "add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272, "perf_event_open": 298,
-        "setns": 308, "process_vm_readv": 310, "process_vm_writev": 311, "bpf": 321, "userfaultfd": 323,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
-        "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-        "clone": 56, "clone3": 435, "capset": 126,
-    },
-    "aarch64": {
-        "socket": 198, "socketpair": 199, "ptrace": 117, "chroot": 51, "pivot_root": 41, "mount": 40, "umount2": 39,
-        "add_key": 217, "request_key": 218, "keyctl": 219, "unshare": 97, "perf_event_open": 241, "setns": 268,
-        "process_vm_readv": 270, "process_vm_writev": 271, "bpf": 280, "userfaultfd": 282, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-        "clone": 220, "clone3": 435, "capset": 91,
-    },
-}  # fmt: skip
-AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_NOT_DENIED = ("clone", "clone3", "capset")
-
-
-def fail(what: str, err: object) -> None:
-    os.write(2, f"sandbox setup failed: {what}: {err}\n".encode())
-    os._exit(SETUP_FAILED)
-
-
-def check(ret: int, what: str) -> int:
-    if ret < 0:
-        fail(what, os.strerror(ctypes.get_errno()))
-    return ret
-
-
-def prctl(option: int, arg: int, what: str) -> None:
-    check(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), what)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# seccomp: a classic BPF program over struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6]}
-
-
-def seccomp_program(machine: str) -> bytes:
-    """The filter for `machine` (`os.uname().machine`): denied syscalls fail with EPERM, any other ABI is killed."""
-    nr = SYSCALLS[machine]
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
-    code: list[tuple[int, object, object, int]] = [(ld, 0, 0, 4), (jeq, 1, 0, AUDIT_ARCH[machine]), (ret, 0, 0, kill)]
-    code.append((ld, 0, 0, 0))
-    if machine == "x86_64":
-        code.append((jge, "deny", 0, 0x40000000))  # the x32 ABI numbers the same calls differently
-    code += [(jeq, "deny", 0, n) for name, n in nr.items() if name not in _NOT_DENIED]
-    code += [(jeq, "nosys", 0, nr["clone3"]), (jeq, "clone", 0, nr["clone"]), (ret, 0, 0, allow)]
-    labels = {"clone": len(code)}
-    code += [(ld, 0, 0, 16), (jset, "deny", 0, CLONE_NAMESPACES), (ret, 0, 0, allow)]  # args[0]: clone's flags
-    labels["deny"] = len(code)
-    code.append((ret, 0, 0, errno | EPERM))
-    labels["nosys"] = len(code)
-    code.append((ret, 0, 0, errno | ENOSYS))
-    out = b""
-    for i, (op, jt, jf, k) in enumerate(code):
-        jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
-        out += struct.pack("HBBI", op, jt, jf, k)
-    return out
-
-
-def apply_seccomp(machine: str) -> None:
-    program = seccomp_program(machine)
-
-    class Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-    prog = Prog(len(program) // 8, program)
-    check(libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(prog), 0, 0), "seccomp")  # SECCOMP_MODE_FILTER
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Landlock: writes only inside the working folder, reads only system and interpreter folders
-
-
-def apply_landlock(abi: int, workdir: str) -> None:
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-    handled = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
-    read_only = 1 | 4 | 8  # EXECUTE | READ_FILE | READ_DIR
-    # fs accesses, TCP bind and connect (ABI 4), scopes: abstract unix sockets and signals (ABI 6)
-    attr = (ctypes.c_uint64 * 3)(handled, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    ruleset = check(libc.syscall(444, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)), "landlock")
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    rules = [(p, read_only) for p in ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", *prefixes)]
-    rules += [("/dev/null", 2 | 4 | (1 << 14 if abi >= 3 else 0)), ("/dev/urandom", 4), ("/dev/random", 4)]
-    rules.append((workdir, handled))
-    for path, access in rules:
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue  # a folder this system doesn't have
-        rule = PathBeneath(access, fd)
-        check(libc.syscall(445, ruleset, 1, ctypes.byref(rule), ctypes.c_uint32(0)), "landlock_add_rule " + path)
-        os.close(fd)
-    check(libc.syscall(446, ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
-    os.close(ruleset)
-
-
-def drop_capabilities(machine: str) -> None:
-    """Clear every capability (those a user namespace grants its creator)."""
-    header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = bytes(24)  # two {effective, permitted, inheritable} words, all zero
-    nr = SYSCALLS[machine]["capset"] if machine in SYSCALLS else None
-    if nr is None:
-        fail("capset", f"unknown syscall number on {machine}")
-    check(libc.syscall(nr, header, data), "capset")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,19 +42,21 @@ def main() -> None:
     fd = int(sys.argv[2])
     with os.fdopen(fd, "rb") as f:
         job = json.loads(f.read())
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")  # die with the trainer
+    restrict.prctl(restrict.PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")  # die with the trainer
     for name, value in job["rlimits"].items():
         try:
             resource.setrlimit(getattr(resource, name), (value, value))
         except (ValueError, OSError) as err:
-            fail(name, err)
+            restrict.fail(name, err)
     ns = job["namespaces"]
-    flags = (CLONE_NEWUSER if ns["user"] else 0) | (CLONE_NEWPID if ns["pid"] else 0)
-    flags |= (CLONE_NEWNS if ns["mount"] else 0) | (CLONE_NEWNET | CLONE_NEWIPC if ns["net"] else 0)
+    flags = (restrict.CLONE_NEWUSER if ns["user"] else 0) | (restrict.CLONE_NEWPID if ns["pid"] else 0)
+    flags |= (restrict.CLONE_NEWNS if ns["mount"] else 0) | (
+        restrict.CLONE_NEWNET | restrict.CLONE_NEWIPC if ns["net"] else 0
+    )
     if flags:
         uid, gid = os.getuid(), os.getgid()
-        check(libc.unshare(ctypes.c_int(flags)), "unshare")
-        if flags & CLONE_NEWUSER:  # the caller's own ids, mapped to themselves
+        restrict.check(restrict.libc.unshare(ctypes.c_int(flags)), "unshare")
+        if flags & restrict.CLONE_NEWUSER:  # the caller's own ids, mapped to themselves
             for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
                 with open(f"/proc/self/{path}", "w") as f:
                     f.write(text)
@@ -210,22 +76,23 @@ def main() -> None:
 
 def init(job: dict) -> None:
     """pid 1 of the sample's namespace: the mounts, the memory watch, reaping; exits when the program's process does."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")
+    restrict.prctl(restrict.PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")
     ns, workdir, uid = job["namespaces"], job["workdir"], job["uid"]
     owner = uid if uid is not None else os.getuid()
+    nosuid = restrict.MS_NOSUID | restrict.MS_NODEV
     try:
         if ns["mount"]:
-            check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-            opts = f"size={job['disk_bytes']},nr_inodes=4096,mode=0700,uid={owner},gid={owner}".encode()
-            check(libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount tmpfs")
+            restrict.mount(None, "/", None, restrict.MS_REC | restrict.MS_PRIVATE)  # nothing propagates out
+            opts = f"size={job['disk_bytes']},nr_inodes=4096,mode=0700,uid={owner},gid={owner}"
+            restrict.mount("tmpfs", workdir, "tmpfs", nosuid, opts)
             hide_shared_folders(workdir, owner)
             if ns["pid"]:  # a /proc that shows only the sample's own processes
-                check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount proc")
+                restrict.mount("proc", "/proc", "proc", nosuid | restrict.MS_NOEXEC)
         elif uid is not None:
             os.chown(workdir, uid, uid)
     except OSError as err:
-        fail("mount", err)
-    prctl(PR_SET_DUMPABLE, 0, "PR_SET_DUMPABLE")  # the program may not trace us or open our /proc entries
+        restrict.fail("mount", err)
+    restrict.prctl(restrict.PR_SET_DUMPABLE, 0, "PR_SET_DUMPABLE")  # the program may not trace us or open our /proc
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: as pid 1, the sample cannot signal us at all
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     child = os.fork()
@@ -260,16 +127,14 @@ def hide_shared_folders(workdir: str, owner: int) -> None:
     filled from the sample."""
     for path in ("/run", "/dev/shm", "/var/tmp"):
         if os.path.isdir(path) and not os.path.islink(path):
-            flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
-            check(
-                libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, b"size=4k,nr_inodes=1,mode=0555"), f"hide {path}"
-            )
+            flags = restrict.MS_RDONLY | restrict.MS_NOSUID | restrict.MS_NODEV | restrict.MS_NOEXEC
+            restrict.mount("tmpfs", path, "tmpfs", flags, "size=4k,nr_inodes=1,mode=0555")
     parent, name = os.path.split(workdir)
     if parent == "/tmp":  # the working folder moves into its own tmpfs, which then covers /tmp
         inner = os.path.join(workdir, name)
         os.mkdir(inner, 0o700)
         os.chown(inner, owner, owner)
-        check(libc.mount(workdir.encode(), b"/tmp", None, MS_BIND, None), "bind /tmp")
+        restrict.mount(workdir, "/tmp", None, restrict.MS_BIND)
 
 
 def resident_pages() -> int:
@@ -295,17 +160,17 @@ def restrict_and_run(job: dict) -> None:
             os.setgid(uid)
             os.setuid(uid)
         except OSError as err:
-            fail("setuid", err)
+            restrict.fail("setuid", err)
     elif job["namespaces"]["user"]:
-        drop_capabilities(machine)
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")  # set after setuid, which clears it
-    prctl(PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
+        restrict.drop_capabilities(machine)
+    restrict.prctl(restrict.PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")  # set after setuid, which clears it
+    restrict.prctl(restrict.PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
     if job["landlock_abi"]:
-        apply_landlock(job["landlock_abi"], workdir)
+        restrict.apply_landlock(job["landlock_abi"], workdir)
     if job["seccomp"]:
-        if machine not in SYSCALLS:
-            fail("seccomp", f"no syscall table for {machine}")
-        apply_seccomp(machine)
+        if machine not in restrict.SYSCALLS:
+            restrict.fail("seccomp", f"no syscall table for {machine}")
+        restrict.apply_seccomp(machine)
     os.chdir(workdir)
     sys.argv[:] = ["solution.py"]
     sys.orig_argv[:] = [sys.executable, "solution.py"]

@@ -1,16 +1,13 @@
-"""The trainer's side of the sandbox: pick the layers this machine allows, start a run, watch it, kill all of it.
+"""The trainer's side of the sandbox: the entry points, the plan this machine allows, a run and its watch.
 
 A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
-seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder,
-started with a clean environment; they never import the rest of the package.
+seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
+(with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import functools
-import itertools
 import json
 import math
 import os
@@ -18,9 +15,7 @@ import platform
 import secrets
 import select
 import shutil
-import signal
 import site
-import stat
 import subprocess
 import sys
 import tempfile
@@ -32,11 +27,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from . import wire
-from .launcher import SETUP_FAILED, SYSCALLS
+from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
+from .plan import Plan, cgroup_parent, describe, landlock_abi_of_kernel, remove_cgroup, world_reachable, write
+from .restrict import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
 _STUB = "import sys; sys.path.insert(0, sys.argv[1]); import {0}; {0}.main()"
-_SAMPLES = itertools.count()
 # The judge starts without `site` (its .pth hooks cost more than the rest of its start) and imports the tests'
 # third-party modules from these folders.
 _SITE = [*site.getsitepackages(), site.getusersitepackages()]
@@ -65,90 +61,20 @@ class SandboxResult:
     limit: str | None = None  # "time", "memory" or "disk" when the run was stopped for that limit
 
 
-@dataclass(frozen=True)
-class _Plan:
-    python: str
-    drop_uid: bool
-    user_ns: bool
-    pid_ns: bool
-    mount_ns: bool
-    net_ns: bool
-    landlock_abi: int
-    seccomp: bool
-    cgroup: str | None  # the parent cgroup (v2, memory and pids controllers) of every sample's own
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # What this machine allows
-
-
-def _world_reachable(path: str) -> bool:
-    """True when a user with no relation to the file's owner can traverse to `path` and execute it."""
-    path = os.path.realpath(path)
-    parts = path.split(os.sep)
-    for i in range(2, len(parts)):
-        if not os.stat(os.sep.join(parts[:i]) or os.sep).st_mode & stat.S_IXOTH:
-            return False
-    return bool(os.stat(path).st_mode & stat.S_IXOTH)
-
-
-def _landlock_abi() -> int:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
-        return max(int(abi), 0)
-    except (OSError, AttributeError):
-        return 0
-
-
-def own_cgroup2() -> str | None:
-    """The folder of this process's cgroup in the cgroup v2 hierarchy, or None where there is none."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            mounts = [line.split() for line in f]
-        root = next(m[4] for m in mounts if m[m.index("-") + 1] == "cgroup2")
-        with open("/proc/self/cgroup") as f:
-            own = next(line.strip()[3:] for line in f if line.startswith("0::"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-    return os.path.join(root, own.lstrip("/"))
-
-
-def _cgroup_parent() -> str | None:
-    """A cgroup v2 folder of our own with the memory and pids controllers for its children, or None."""
-    base = own_cgroup2()
-    if base is None:
-        return None
-    try:
-        with open(os.path.join(base, "cgroup.controllers")) as f:
-            if not {"memory", "pids"} <= set(f.read().split()):
-                return None
-        _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")  # EBUSY where our cgroup has processes
-        parent = os.path.join(base, f"grpo-sandbox-{os.getpid()}")
-        os.makedirs(parent, exist_ok=True)
-        _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
-    except OSError:
-        return None
-    atexit.register(_remove_cgroup, parent)
-    return parent
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
 
 
 _PLAN_LOCK = threading.Lock()
 
 
-def _plan() -> _Plan:
+def _plan() -> Plan:
     with _PLAN_LOCK:  # concurrent first runs (a reward's thread pool) probe once
         return _probe_plan()
 
 
 @functools.lru_cache(maxsize=1)
-def _probe_plan() -> _Plan:
+def _probe_plan() -> Plan:
     """The strongest set of layers this machine supports, each confirmed by running a trivial program under it."""
     root = os.geteuid() == 0
     python, drop_uid = sys.executable, False
@@ -159,13 +85,13 @@ def _probe_plan() -> _Plan:
             "/usr/bin/python3",
             "/usr/local/bin/python3",
         ):
-            if candidate and os.path.exists(candidate) and _world_reachable(candidate):
+            if candidate and os.path.exists(candidate) and world_reachable(candidate):
                 python, drop_uid = candidate, True
                 break
     namespaces = {"user_ns": not root, "pid_ns": True, "mount_ns": True, "net_ns": True}
-    plan = _Plan(
-        python, drop_uid, **namespaces, landlock_abi=_landlock_abi(), seccomp=platform.machine() in SYSCALLS,
-        cgroup=_cgroup_parent() if root else None,
+    plan = Plan(
+        python, drop_uid, **namespaces, landlock_abi=landlock_abi_of_kernel(), seccomp=platform.machine() in SYSCALLS,
+        cgroup=cgroup_parent() if root else None,
     )  # fmt: skip
     no_ns = {k: False for k in namespaces}
     for weaker in (
@@ -188,61 +114,7 @@ def _probe_plan() -> _Plan:
 
 def isolation() -> dict[str, object]:
     """Which layers protect sandboxed code on this machine, and what each limit guarantees under them."""
-    p = _plan()
-    own_ns = p.pid_ns and p.mount_ns
-    if p.cgroup:
-        memory = "cgroup v2 memory.max on the whole sample (no swap)"
-    elif own_ns:
-        memory = (
-            "watched: the sample's total private resident memory, polled every 20 ms, plus each process's address space"
-        )
-    else:
-        memory = "per process only (address space): a sample may hold max_processes × memory_mb"
-    if p.cgroup:
-        processes = "cgroup v2 pids.max on the whole sample"
-    elif p.drop_uid:
-        processes = "RLIMIT_NPROC of the sample's own uid: the whole sample"
-    else:
-        processes = "RLIMIT_NPROC over the user's current count: shared by concurrent samples"
-    if own_ns:
-        cleanup = "PID namespace: its init exits when the program does, and the kernel kills every process left"
-    elif p.drop_uid:
-        cleanup = "kill(-1) as the sample's uid, repeated until none of its processes is alive"
-    else:
-        cleanup = "its process group only: a process that leaves it (setsid) survives the run"
-    unix = (
-        "; ".join(
-            layer
-            for layer, on in (
-                (
-                    "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included",
-                    p.seccomp,
-                ),
-                ("the mount namespace hides /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
-                ("Landlock scope: abstract sockets outside the sample are refused", p.landlock_abi >= 6),
-            )
-            if on
-        )
-        or "reachable"
-    )
-    return {
-        "python": p.python,
-        "separate_uid": p.drop_uid,
-        "user_namespace": p.user_ns,
-        "pid_namespace": p.pid_ns,
-        "mount_namespace": p.mount_ns,
-        "network_namespace": p.net_ns,
-        "landlock_abi": p.landlock_abi,
-        "seccomp": p.seccomp,
-        "cgroup": p.cgroup,
-        "memory": memory,
-        "processes": processes,
-        "disk": "a private tmpfs of disk_mb, seen by the sample alone"
-        if p.mount_ns
-        else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file",
-        "cleanup": cleanup,
-        "unix_sockets": unix,
-    }
+    return describe(_plan())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,7 +172,7 @@ def run_stdio(
 
 
 def _run(
-    plan: _Plan,
+    plan: Plan,
     program: str,
     limits: SandboxLimits,
     *,
@@ -316,7 +188,7 @@ def _run(
         "RLIMIT_FSIZE": limits.max_file_mb * 2**20,
         "RLIMIT_NOFILE": limits.max_open_files,
         # every process of the real uid counts: a fresh uid starts at 0, the user's own at its current count
-        "RLIMIT_NPROC": limits.max_processes + (0 if uid is not None else _count_tasks(os.getuid())),
+        "RLIMIT_NPROC": limits.max_processes + (0 if uid is not None else count_tasks(os.getuid())),
     }
     pipes: list[int] = []
 
@@ -329,7 +201,7 @@ def _run(
     cgroup = None
     procs: list[subprocess.Popen] = []
     try:
-        cgroup = _sample_cgroup(plan, limits)
+        cgroup = sample_cgroup(plan, limits.memory_mb * 2**20, limits.max_processes)
         with _memory_file() as out, _memory_file() as err, _memory_file() as given:
             given.write(stdin.encode() if isinstance(stdin, str) else stdin)
             given.seek(0)
@@ -369,7 +241,7 @@ def _run(
             )  # fmt: skip
             procs.append(sandbox)
             if cgroup:
-                _write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
+                write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
             judge_out = None
             if tests is not None:
                 judge_out = _memory_file()
@@ -397,7 +269,7 @@ def _run(
                     sandbox, verdict_r if tests is not None else None, deadline, workdir, watch_disk
                 )
                 timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
-            _kill(procs, cgroup, uid, plan)
+            kill_run(procs, cgroup, uid, plan)
             code = sandbox.returncode
             over_memory = os.read(status_r, 64) == b"memory\n"  # every writer is dead: this cannot block
             stdout, stderr = _tail(out, limits.max_output_bytes), _tail(err, limits.max_output_bytes)
@@ -413,10 +285,10 @@ def _run(
         while pipes:  # the ends still open when a run stopped early
             _close(pipes[-1], pipes)
         if cgroup:
-            _remove_cgroup(cgroup)
+            remove_cgroup(cgroup)
         shutil.rmtree(workdir, ignore_errors=True)
     limit = "time" if timed_out else "disk" if over_disk else None
-    if over_memory or (cgroup and _oom_killed(cgroup)):
+    if over_memory or (cgroup and oom_killed(cgroup)):
         limit = "memory"
     if code == SETUP_FAILED and "sandbox setup failed" in stderr:
         timed_out = False
@@ -547,121 +419,3 @@ def _tail(f: BinaryIO, limit: int) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Cleanup: every process of the run dies before it returns
-
-
-def _kill(procs: list[subprocess.Popen], cgroup: str | None, uid: int | None, plan: _Plan) -> None:
-    """SIGKILL the launcher's process group (the launcher and the sample's init: with a PID namespace, the init's
-    death takes every process of the sample with it), then the sample's cgroup, then (as root, without a PID
-    namespace) every process of its uid."""
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    if cgroup:
-        _kill_cgroup(cgroup)
-    if uid is not None and not plan.pid_ns:
-        _kill_uid(uid, plan.python)
-
-
-_KILL_UID = """
-import os
-def alive():
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        if int(pid) != os.getpid() and status["Uid"].split()[0] == str(os.getuid()) and "Z" not in status["State"]:
-            return True
-    return False
-for _ in range(10000):
-    try:
-        os.kill(-1, 9)
-    except ProcessLookupError:
-        break
-    if not alive():
-        break
-"""
-
-
-def _kill_uid(uid: int, python: str) -> None:
-    # kill(-1) as that uid reaches exactly its processes, atomically: a fork racing it fails, since its parent
-    # already has SIGKILL pending. It returns ESRCH only where no other process exists at all, so the helper
-    # repeats it until /proc shows none of the uid's processes alive.
-    subprocess.run(
-        [python, "-I", "-S", "-c", _KILL_UID], user=uid, group=uid, extra_groups=[], env={}, timeout=30, check=False,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def _sample_cgroup(plan: _Plan, limits: SandboxLimits) -> str | None:
-    if not plan.cgroup:
-        return None
-    path = os.path.join(plan.cgroup, f"s{next(_SAMPLES)}")
-    os.mkdir(path)
-    try:
-        for name, value in (
-            ("memory.max", limits.memory_mb * 2**20),
-            ("memory.swap.max", 0),
-            ("memory.oom.group", 1),
-            ("pids.max", limits.max_processes + 2),  # the launcher and the init count too
-        ):
-            try:
-                _write(os.path.join(path, name), str(value))
-            except FileNotFoundError:
-                if name != "memory.swap.max":  # no swap accounting on this kernel: nothing to limit
-                    raise
-    except OSError:
-        _remove_cgroup(path)
-        raise
-    return path
-
-
-def _kill_cgroup(path: str) -> None:
-    kill = os.path.join(path, "cgroup.kill")  # Linux >= 5.14
-    for _ in range(1000):
-        with open(os.path.join(path, "cgroup.procs")) as f:
-            pids = [int(p) for p in f.read().split()]
-        if not pids:
-            return
-        if os.path.exists(kill):
-            _write(kill, "1")
-        else:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.001)
-
-
-def _oom_killed(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "memory.events")) as f:
-            return any(line.split()[0] == "oom_kill" and line.split()[1] != "0" for line in f)
-    except OSError:
-        return False
-
-
-def _remove_cgroup(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
-def _count_tasks(uid: int) -> int:
-    """Processes and threads the user runs now (what RLIMIT_NPROC counts)."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-        except OSError:
-            continue
-        if status.get("Uid", "").split("\t")[0] == str(uid):
-            total += int(status.get("Threads", "1"))
-    return total
