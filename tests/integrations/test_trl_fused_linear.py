@@ -19,6 +19,7 @@ pytest.importorskip("peft")
 from trl import GRPOTrainer
 
 import grpo_kernels.integrations.trl as fused_trl
+import grpo_kernels.integrations.trl_fused_linear as fused_linear_mode
 from grpo_kernels.integrations.trl import FusedGRPOTrainer, patch_grpo_trainer
 from grpo_kernels.ops import linear_torch
 
@@ -139,13 +140,13 @@ def test_tied_embeddings(tied_model_dir, tmp_path):
 
 def _spy_operand_dtypes(monkeypatch):
     seen = []
-    real = fused_trl.fused_linear_grpo_loss
+    real = fused_linear_mode.fused_linear_grpo_loss
 
     def spy(hidden, weight, *args, **kwargs):
         seen.append((hidden.dtype, weight.dtype))
         return real(hidden, weight, *args, **kwargs)
 
-    monkeypatch.setattr(fused_trl, "fused_linear_grpo_loss", spy)
+    monkeypatch.setattr(fused_linear_mode, "fused_linear_grpo_loss", spy)
     return seen
 
 
@@ -331,13 +332,13 @@ def test_no_logits_sized_tensor(wide_vocab_model_dir, tmp_path, monkeypatch):
     batch = make_inputs(trainer)
 
     seen = {}
-    real = fused_trl.fused_linear_grpo_loss
+    real = fused_linear_mode.fused_linear_grpo_loss
 
     def spy(hidden, weight, *args, **kwargs):
         seen.update(hidden=hidden, weight=weight, bias=kwargs["bias"])
         return real(hidden, weight, *args, **kwargs)
 
-    monkeypatch.setattr(fused_trl, "fused_linear_grpo_loss", spy)
+    monkeypatch.setattr(fused_linear_mode, "fused_linear_grpo_loss", spy)
     with LargestFloatTensor() as fused:
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
@@ -365,8 +366,8 @@ def test_trains(tmp_path, model_dir, monkeypatch):
     from .test_trl_train import PROMPTS, assert_trained, config
 
     calls = []
-    real = fused_trl.fused_linear_grpo_loss
-    monkeypatch.setattr(fused_trl, "fused_linear_grpo_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fused_linear_mode.fused_linear_grpo_loss
+    monkeypatch.setattr(fused_linear_mode, "fused_linear_grpo_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
     trainer = FusedGRPOTrainer(
         model=str(model_dir),
         reward_funcs=char_fraction_reward(),
