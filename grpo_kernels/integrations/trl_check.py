@@ -1,8 +1,7 @@
 """The first-step self-check of the TRL drop-in: TRL's own `_compute_loss` beside the fused one on the same batch.
 
-Cost: one extra forward and backward of TRL's loss, and one extra backward of the fused loss (its graph kept for the
-step's own backward), on the first training micro-batch only; during it, two copies of the trainable parameters'
-gradients are held. Every later step runs the fused loss alone.
+Cost: one extra forward and backward (TRL's loss), on the first training micro-batch only; during it, two copies of
+the trainable parameters' gradients are held. Every later step runs the fused loss alone.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ def _state(trainer: Any) -> dict[str, Any]:
     return values
 
 
-def _grads(loss: torch.Tensor, params: list[tuple[str, torch.nn.Parameter]], retain: bool) -> dict[str, torch.Tensor]:
-    grads = torch.autograd.grad(loss, [p for _, p in params], retain_graph=retain, allow_unused=True)
+def _grads(loss: torch.Tensor, params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
     return {name: torch.zeros_like(p) if g is None else g.detach() for (name, p), g in zip(params, grads)}
 
 
@@ -115,8 +114,8 @@ def first_step_check(
 
     The reference runs first, on the unwrapped model (its gradient is local, as the fused one's below), from the same
     RNG state the fused run then sees; its metrics and controller-state updates are discarded. The fused loss's
-    gradient is taken with its graph kept, so the caller's backward proceeds as on any other step, and the fused
-    metrics are logged as usual. Raises FirstStepMismatch with the report when something differs.
+    gradient is taken here; the returned loss carries it to the caller's backward, and the fused metrics are logged
+    as usual. Raises FirstStepMismatch with the report when something differs.
     """
     unwrapped = trainer.accelerator.unwrap_model(model)
     params = [(name, p) for name, p in unwrapped.named_parameters() if p.requires_grad]
@@ -128,14 +127,14 @@ def first_step_check(
         trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         with torch.random.fork_rng(devices=devices):
             ref_loss = reference(trainer, unwrapped, inputs)
-            ref_grads = _grads(ref_loss, params, retain=False)
+            ref_grads = _grads(ref_loss, params)
         ref_metrics = dict(trainer._metrics["train"])
         after_ref = _state(trainer)
         for name, value in before.items():
             setattr(trainer, name, value)
         trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         loss = fused(trainer, model, inputs)
-        grads = _grads(loss, params, retain=True)
+        grads = _grads(loss, params)
         our_metrics = dict(trainer._metrics["train"])
         _compare_state(_state(trainer), after_ref, report.problems)
     finally:
@@ -168,7 +167,10 @@ def first_step_check(
     _compare_metrics(our_metrics, ref_metrics, tol, report.problems)
     if report.problems:
         raise FirstStepMismatch(str(report))
-    return loss, report
+    # The step's own backward must not run the fused loss's backward again: hand it a loss of the same value whose
+    # gradient is the one just computed (Σ p·g, less its value), so DDP's hooks and loss scaling apply as usual
+    link = sum((p * grads[name].to(p.dtype)).sum() for name, p in params)
+    return loss.detach() + (link - link.detach()), report
 
 
 __all__ = ["FP32_TOLERANCES", "HALF_TOLERANCES", "FirstStepMismatch", "FirstStepReport", "first_step_check"]
