@@ -296,7 +296,8 @@ def _sequence_clip_fractions(
     m = mask.double()
 
     def one_sequence(lp: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, mm: torch.Tensor):  # each [1, T] or [1, 1]
-        _, values = grpo_objective(lp, torch.zeros_like(lp), TokenInputs(a, mm, lo, None, None, None), cfg)
+        inp = TokenInputs(advantages=a, mask=mm, old_logp=lo, ref_logp=None, is_ratio=None, sampling_logp=None)
+        _, values = grpo_objective(lp, torch.zeros_like(lp), inp, cfg)
         return values["clip_ratio/low_mean"], values["clip_ratio/high_mean"]
 
     low, high = torch.func.vmap(one_sequence)(logp[:, None], old[:, None], adv[:, None], m[:, None])
