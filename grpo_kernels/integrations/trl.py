@@ -328,7 +328,13 @@ def _attach(trainer: GRPOTrainer, *, verify_first_step: bool = False, trl_untest
     """Resolve the running TRL's mapping for `trainer`, refuse what it can't reproduce, arm the self-check."""
     mapping, tested = mapping_for(trl.__version__, allow_untested=untested_allowed(trl_untested))
     check_options(trainer, mapping, trl.__version__)
-    trainer._grpo_kernels_state = _IntegrationState(mapping, verify_pending=bool(verify_first_step) or not tested)
+    verify = bool(verify_first_step) or not tested
+    if verify and (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
+        # the check takes each trainable parameter's local gradient with torch.autograd.grad, which sharded or
+        # partitioned parameters don't give
+        why = "verify_first_step=True" if tested else f"an untested TRL ({trl.__version__}) needs the first-step check"
+        raise ValueError(f"{why}, which does not run under FSDP or DeepSpeed; check on a single process or DDP first")
+    trainer._grpo_kernels_state = _IntegrationState(mapping, verify_pending=verify)
 
 
 def _integration_state(trainer: GRPOTrainer) -> _IntegrationState:

@@ -136,6 +136,18 @@ def test_refused_option_stops_the_constructor(model_dir, tmp_path, monkeypatch):
         make_trainer(FusedGRPOTrainer, model_dir, tmp_path, loss_type="gspo")
 
 
+@pytest.mark.parametrize("engine", ["is_fsdp_enabled", "is_deepspeed_enabled"])
+def test_self_check_is_refused_where_it_cannot_run(model_dir, tmp_path, monkeypatch, engine):  # noqa: F811
+    trainer = make_trainer(GRPOTrainer, model_dir, tmp_path)
+    setattr(trainer, engine, True)
+    with pytest.raises(ValueError, match=r"verify_first_step=True, which does not run under FSDP or DeepSpeed"):
+        patch_grpo_trainer(trainer, verify_first_step=True)
+    patch_grpo_trainer(trainer)  # without the check: as before
+    _as_release(monkeypatch, "1.17.0")
+    with pytest.raises(ValueError, match=r"an untested TRL \(1\.17\.0\) needs the first-step check"):
+        patch_grpo_trainer(trainer, trl_untested=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The first-step self-check
 
