@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -391,8 +392,9 @@ class FusedGRPOTrainer(GRPOTrainer):
         trl_untested: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        # refuse an untested TRL before building anything
-        mapping_for(trl.__version__, allow_untested=untested_allowed(trl_untested))
+        with warnings.catch_warnings():  # refuse an untested TRL before building anything (_attach warns below)
+            warnings.simplefilter("ignore")
+            mapping_for(trl.__version__, allow_untested=untested_allowed(trl_untested))
         self.use_fused_linear = bool(use_fused_linear)
         super().__init__(*args, **kwargs)
         _attach(self, verify_first_step=verify_first_step, trl_untested=trl_untested)

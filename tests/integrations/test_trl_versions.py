@@ -194,8 +194,9 @@ def test_untested_release_is_accepted_with_a_warning_and_checked(model_dir, tmp_
     with pytest.raises(RuntimeError, match=UNTESTED_ENV):
         make_trainer(FusedGRPOTrainer, model_dir, tmp_path)
     monkeypatch.setenv(UNTESTED_ENV, "1")
-    with pytest.warns(UserWarning, match=r"running trl 1\.17\.0 with the mapping of trl>=1\.15\.0"):
+    with pytest.warns(UserWarning, match=r"running trl 1\.17\.0 with the mapping of trl>=1\.15\.0") as record:
         trainer = make_trainer(FusedGRPOTrainer, model_dir, tmp_path, loss_type="sapo", beta=0.04)
+    assert sum("running trl 1.17.0" in str(w.message) for w in record) == 1  # once, not once per check
     assert trainer._grpo_kernels_state.verify_pending
     reference = make_trainer(GRPOTrainer, model_dir, tmp_path, loss_type="sapo", beta=0.04)
     reference.model.train()
@@ -238,15 +239,16 @@ def test_self_check_in_a_real_training_run(model_dir, tmp_path, monkeypatch):  #
 # ----------------------------------------------------------------------------------------------------------------
 # Parity against the oldest supported release, in its own folder first on sys.path
 
-# The cases where 1.12's code differs from the venv's around _compute_loss: every loss type plain and with every
-# option (the entropy bonus's gradient through H), the fp32 head and bf16 under autocast, the MoE aux loss (its
-# default coefficient differs), PEFT, the multimodal inputs, GSPO, eval mode, the adaptive controller, one
-# accumulation setting per loss type, patching, and the self-check
+# The cases where 1.12's code differs from the newest around _compute_loss (its text is the same): every loss type
+# with every option (the entropy bonus's gradient through H), two plain, the fp32 head and bf16 under autocast, the
+# MoE aux loss (its default coefficient differs), PEFT, the multimodal inputs (TRL's forward arguments differ), GSPO,
+# eval mode, the adaptive controller, the accumulation normalizers, patching, and the self-check
 OLDEST_CASES = (
-    "test_loss_type or test_sequence_level_importance_sampling or test_eval_mode "
-    "or (test_adaptive_entropy and 10.0-0.5) or test_moe_aux_loss or test_peft_lora or test_cast_lm_head "
+    "test_loss_type_with_every_option or (test_loss_type and (sapo or cispo)) "
+    "or (test_sequence_level_importance_sampling and grpo) or (test_eval_mode and dapo) "
+    "or (test_adaptive_entropy and 10.0-0.5) or (test_moe_aux_loss and dapo) or test_peft_lora or test_cast_lm_head "
     "or test_bf16_autocast or test_multimodal or test_patch_instance or test_first_step_check_passes "
-    "or (test_accumulation_normalizers and 2-4-2)"
+    "or (test_accumulation_normalizers and 2-4-2 and (grpo or dapo))"
 )
 
 
@@ -271,4 +273,4 @@ def test_parity_against_the_oldest_release():
     assert result.returncode == 0, output
     summary = re.search(r"(\d+) passed(.*) in ", result.stdout)
     assert summary and "skipped" not in summary.group(2) and "failed" not in summary.group(2), output
-    assert int(summary.group(1)) >= 40, output  # the selection above (44 cases), not an empty run
+    assert int(summary.group(1)) >= 25, output  # the selection above (28 cases), not an empty run
