@@ -365,7 +365,7 @@ def _good():
 
 BAD = [
     (dict(hidden=torch.randn(6, 8)), ValueError, "hidden must be 3-D"),
-    (dict(hidden=torch.randn(2, 3, 8, dtype=torch.float64)), TypeError, "hidden must be float32"),
+    (dict(hidden=torch.randn(2, 3, 8).to(torch.float8_e4m3fn)), TypeError, "hidden must be float32"),
     (dict(hidden=torch.randn(2, 0, 8)), ValueError, "hidden must have B, T, H >= 1"),
     (dict(weight=torch.randn(11, 9)), ValueError, "weight must have shape (V, 8)"),
     (dict(weight=torch.randn(11, 8).bfloat16()), TypeError, "weight and hidden must have the same dtype"),

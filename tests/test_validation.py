@@ -26,7 +26,7 @@ def call(**changes):
 CASES = [
     (dict(logits=torch.randn(B, T)), ValueError, "logits must be 3-D"),
     (dict(logits=torch.randint(0, 3, (B, T, V))), TypeError, "logits must be float32"),
-    (dict(logits=torch.randn(B, T, V, dtype=torch.float64)), TypeError, "logits must be float32"),
+    (dict(logits=torch.randn(B, T, V).to(torch.float8_e4m3fn)), TypeError, "logits must be float32"),
     (dict(logits=torch.randn(B, V, T).transpose(1, 2)), ValueError, "unit stride"),
     (dict(logits=torch.randn(0, T, V)), ValueError, "B, T, V >= 1"),
     (dict(completion_ids=torch.randint(0, V, (B, T)).float()), TypeError, "completion_ids must be int32/int64"),
