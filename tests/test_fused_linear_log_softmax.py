@@ -16,7 +16,7 @@ from grpo_kernels.ops import linear_torch, linear_triton
 from reference import reference_selective_log_softmax
 
 from .conftest import HAS_TRITON_DEVICE
-from .test_fused_linear import _LargestTensor
+from .test_fused_linear import assert_never_materializes_the_logits
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
@@ -118,18 +118,11 @@ def test_tied_embeddings_accumulate_both_uses():
 
 
 def test_never_materializes_the_logits(monkeypatch):
-    # 64 rows x 1024 vocabulary = 65536 logits; the tile budget is 4096 (16 rows x 256) and weight has 1024 x 4.
-    monkeypatch.setattr(linear_torch, "TILE_ELEMENTS", 4096)
-    monkeypatch.setattr(linear_torch, "MIN_VOCAB_TILE", 256)
-    rows, vocab, width = 64, 1024, 4
-    hidden = torch.randn(2, rows // 2, width, requires_grad=True)
-    weight = torch.randn(vocab, width, requires_grad=True)
-    ids = torch.randint(0, vocab, (2, rows // 2))
-    with _LargestTensor() as spy:
+    def step(hidden, weight, ids):
         logp, entropy = fused_linear_log_softmax(hidden, weight, ids, backend="torch")
         (logp.sum() - 0.1 * entropy.sum()).backward()
-    assert spy.largest <= max(4096, vocab * width), f"a tensor of {spy.largest} elements (logits: {rows * vocab})"
-    assert hidden.grad.abs().max() > 0 and weight.grad.abs().max() > 0
+
+    assert_never_materializes_the_logits(monkeypatch, step)
 
 
 @pytest.mark.parametrize(
