@@ -10,7 +10,12 @@ import torch
 
 from grpo_kernels import LossConfig
 from grpo_kernels.cli import build_parser, main
-from grpo_kernels.trainer.checkpoint import latest_checkpoint, list_checkpoints, remove_partial_checkpoints
+from grpo_kernels.trainer.checkpoint import (
+    COMPLETE_MARKER,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_partial_checkpoints,
+)
 from grpo_kernels.trainer.config import LOOP_SET_LOSS_OPTIONS, TrainConfig
 from grpo_kernels.trainer.data import R1_SYSTEM_PROMPT, load_rows, prompt_indices, render_prompt
 from grpo_kernels.trainer.demo import build_char_tokenizer
@@ -19,11 +24,16 @@ from grpo_kernels.trainer.plotting import plot_metrics
 from .conftest import tiny_argv
 
 
-def test_every_loss_option_is_a_config_field_and_a_flag():
-    config_fields = {f.name for f in fields(TrainConfig)}
-    missing = set(LossConfig.option_names()) - set(LOOP_SET_LOSS_OPTIONS) - config_fields
-    assert not missing
-    assert config_fields <= set(vars(build_parser().parse_args(["train"])))
+def test_every_loss_option_is_a_flag_and_reaches_the_loss_config():
+    flags = set(vars(build_parser().parse_args(["train"])))
+    assert set(LossConfig.option_names()) - set(LOOP_SET_LOSS_OPTIONS) <= flags
+    assert {f.name for f in fields(TrainConfig)} - {"loss"} <= flags
+    args = vars(build_parser().parse_args(["train", "--beta", "0.5", "--vespo-k-neg", "4", "--temperature", "0.7"]))
+    cfg = TrainConfig.from_flat({k: v for k, v in args.items() if k != "command"})
+    assert isinstance(cfg.loss, LossConfig)
+    assert (cfg.loss.beta, cfg.loss.vespo_k_neg, cfg.loss.temperature) == (0.5, 4.0, 0.7)  # sampling shares it
+    assert cfg.loss.max_completion_length == cfg.max_completion_length
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # as a checkpoint saves and reads it
 
 
 def test_flags_parse_into_the_config():
@@ -52,6 +62,9 @@ def test_flags_parse_into_the_config():
     "bad, message",
     [
         ({"num_generations": 0}, "num_generations must be >= 1"),
+        ({"num_generations": 1}, "num_generations must be >= 2.*a group of one has advantage 0"),
+        ({"beta": -1.0}, "beta must be >= 0.*negative beta would reward moving away"),
+        ({"resume": True, "overwrite": True}, "resume and overwrite exclude each other"),
         ({"loss_type": "ppo"}, "loss_type must be one of"),
         ({"temperature": 0.0}, "temperature must be > 0"),
         ({"scale_rewards": "std"}, "scale_rewards must be"),
@@ -60,7 +73,7 @@ def test_flags_parse_into_the_config():
 )
 def test_config_rejects_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**bad)
+        TrainConfig.from_flat(bad)
 
 
 def test_load_rows_from_jsonl_csv_parquet_with_column_mapping(tmp_path):
@@ -99,12 +112,15 @@ def test_prompt_order_is_a_function_of_step_and_seed():
 
 
 def test_partial_checkpoints_are_never_picked(tmp_path):
-    for name in ("checkpoint-2", "checkpoint-10", ".tmp-checkpoint-11-abc", "checkpoint-x"):
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12", ".tmp-checkpoint-11-abc", "checkpoint-x"):
         (tmp_path / name).mkdir()
+    for name in ("checkpoint-2", "checkpoint-10"):  # complete: with their marker; checkpoint-12 lacks it
+        (tmp_path / name / COMPLETE_MARKER).write_text("\n")
+    (tmp_path / ".deleting-checkpoint-1").mkdir()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10"]
     assert latest_checkpoint(tmp_path).name == "checkpoint-10"
     remove_partial_checkpoints(tmp_path)
-    assert not (tmp_path / ".tmp-checkpoint-11-abc").exists()
+    assert not (tmp_path / ".tmp-checkpoint-11-abc").exists() and not (tmp_path / ".deleting-checkpoint-1").exists()
 
 
 def test_plot_writes_a_png(tmp_path):
