@@ -247,11 +247,12 @@ class TrainConfig:
             values = {**values, "loss": {k: v for k, v in values.items() if k in loss_options()}}
         return cls(**{k: v for k, v in values.items() if k in known})
 
-    def changes_from(self, old: TrainConfig) -> dict[str, tuple[Any, Any]]:
-        """{name: (old value, new value)} of the fields, loss options included, that differ from `old`."""
-        a, b = _flatten(old.to_dict()), _flatten(self.to_dict())
-        return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+    def changes_from(self, saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """{name: (saved value, this value)} of the options, the loss's included, that differ from a saved
+        `to_dict()`; names that only one of the two versions knows are left out."""
+        a, b = _flatten(saved), _flatten(self.to_dict())
+        return {k: (a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k] != b[k]}
 
 
 def _flatten(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if k != "loss"} | dict(values["loss"])
+    return {k: v for k, v in values.items() if k != "loss"} | dict(values.get("loss", {}))

@@ -64,8 +64,10 @@ def load_rows(
     prompt_column: str = "prompt",
     answer_column: str = "answer",
     tests_column: str = "tests",
+    reward_funcs: Sequence[RewardFunc] = (),
 ) -> list[dict[str, Any]]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file or a hub dataset, with columns renamed to prompt/answer/tests."""
+    """Rows of a local JSONL/JSON/CSV/Parquet file or a hub dataset, with columns renamed to prompt/answer/tests.
+    A reward of `reward_funcs` that needs a column the dataset lacks is an error (`check_reward_columns`)."""
     if not dataset:
         raise ValueError("dataset must name a local .jsonl/.json/.csv/.parquet file or a Hugging Face dataset")
     ext = os.path.splitext(dataset)[1].lower()
@@ -83,6 +85,7 @@ def load_rows(
         raise ValueError(f"dataset {dataset!r} (split {split!r}) has no rows")
     if not any(prompt_column in r for r in records):
         raise ValueError(f"dataset {dataset!r} has no prompt column {prompt_column!r}; its columns: {list(records[0])}")
+    check_reward_columns(reward_funcs, records, f"dataset {dataset!r}", answer=answer_column, tests=tests_column)
     rename = {prompt_column: "prompt", answer_column: "answer", tests_column: "tests"}
     return [{rename.get(k, k): v for k, v in record.items()} for record in records]
 
@@ -147,7 +150,7 @@ def _read_hub(dataset: str, config_name: str | None, split: str) -> list[dict[st
         ) from err
 
 
-def rows_from_config(cfg: TrainConfig) -> list[dict[str, Any]]:
+def rows_from_config(cfg: TrainConfig, reward_funcs: Sequence[RewardFunc] = ()) -> list[dict[str, Any]]:
     return load_rows(
         cfg.dataset,
         split=cfg.dataset_split,
@@ -155,6 +158,7 @@ def rows_from_config(cfg: TrainConfig) -> list[dict[str, Any]]:
         prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column,
         tests_column=cfg.tests_column,
+        reward_funcs=reward_funcs,
     )
 
 
@@ -169,26 +173,30 @@ def load_reward_funcs(names: str) -> list[RewardFunc]:
         sys.path.remove(cwd)
 
 
-# The built-in rewards that need a dataset column, with the column names each accepts (TRL's `solution` too)
-NEEDED_COLUMNS: dict[Any, tuple[str, tuple[str, ...]]] = {
-    accuracy_reward: ("answer_column", ("answer", "solution")),
-    code_reward: ("tests_column", ("tests",)),
+# The built-in rewards that need a dataset column: (the column, its CLI flag, the names TRL also accepts for it)
+NEEDED_COLUMNS: dict[Any, tuple[str, str, tuple[str, ...]]] = {
+    accuracy_reward: ("answer", "--answer-column", ("solution",)),
+    code_reward: ("tests", "--tests-column", ()),
 }
 
 
-def check_reward_columns(funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], cfg: TrainConfig) -> None:
-    """A reward whose column the dataset lacks would score every completion None (accuracy quietly 0): refuse."""
+def check_reward_columns(
+    funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], source: str, *, answer: str, tests: str
+) -> None:
+    """A reward whose column the rows lack would score every completion None (accuracy quietly 0): refuse.
+    `answer`/`tests` name the columns that hold them in `rows`; the default names also accept TRL's aliases."""
     present = {k for row in rows for k in row}
-    user_names = {"prompt": cfg.prompt_column, "answer": cfg.answer_column, "tests": cfg.tests_column}
+    names = {"answer": answer, "tests": tests}
     for func in funcs:
-        if func in NEEDED_COLUMNS:
-            option, accepted = NEEDED_COLUMNS[func]
-            if not present & set(accepted):
-                raise ValueError(
-                    f"reward {reward_name(func)!r} needs the dataset's {getattr(cfg, option)!r} column "
-                    f"(--{option.replace('_', '-')}), which dataset {cfg.dataset!r} lacks; its columns: "
-                    f"{sorted(user_names.get(k, k) for k in present)}"
-                )
+        if func not in NEEDED_COLUMNS:
+            continue
+        column, flag, aliases = NEEDED_COLUMNS[func]
+        accepted = {names[column], *(aliases if names[column] == column else ())}
+        if not present & accepted:
+            raise ValueError(
+                f"reward {reward_name(func)!r} needs the dataset's {names[column]!r} column ({flag}), which {source} "
+                f"lacks; its columns: {sorted(present)}"
+            )
 
 
 def resolve_system_prompt(system_prompt: str) -> str:

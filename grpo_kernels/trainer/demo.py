@@ -8,6 +8,8 @@ arithmetic half-learnt; GRPO on `grpo_loss` (LoRA, KL to the SFT model) then imp
 from __future__ import annotations
 
 import json
+import os
+import platform
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -254,6 +256,7 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
         ],
         "config": {k: v for k, v in asdict(cfg).items() if k != "grpo"},
         "grpo": grpo_cfg.to_dict(),
+        "machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return DemoResult(before, after, seconds, plot_path, str(out))

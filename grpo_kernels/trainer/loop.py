@@ -113,17 +113,19 @@ def _train(
     torch.manual_seed(cfg.seed)  # the same on every rank: the same LoRA initialization everywhere
     device, dtype = resolve_device(cfg)
     device = rank_device(device, ctx)
-    out_dir = Path(cfg.output_dir)
-    if ctx.main:  # before anything slow: a folder holding another run, or one that can't be written, fails now
-        prepare_output_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    if rows is None:  # data and rewards next: they fail fast and cheaply
+    # rewards, data and the output folder first: they fail fast and cheaply
+    reward_funcs = load_reward_funcs(cfg.reward_funcs) if reward_funcs is None else reward_funcs
+    if rows is None:
         if not ctx.main:
             barrier(ctx)  # rank 0 builds the datasets cache entry first; building it together races
-        rows = rows_from_config(cfg)
+        rows = rows_from_config(cfg, reward_funcs)
         if ctx.main:
             barrier(ctx)
-    reward_funcs = load_reward_funcs(cfg.reward_funcs) if reward_funcs is None else reward_funcs
-    check_reward_columns(reward_funcs, rows, cfg)
+    else:
+        check_reward_columns(reward_funcs, rows, "the rows passed to train", answer="answer", tests="tests")
+    out_dir = Path(cfg.output_dir)
+    if ctx.main:  # a folder holding another run, or one that can't be written, fails before the model loads
+        prepare_output_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     weights = cfg.weights(len(reward_funcs))
     if model is None:
         model, tokenizer = load_model(cfg.model, dtype=dtype)

@@ -104,7 +104,7 @@ def _held_out(ax: Any, steps: list[int], acc: list[float], has_before: bool, for
     ax.plot(steps, acc, marker="o", color="tab:green", label="held-out accuracy (greedy)")
     if has_before:
         ax.axhline(acc[0], color="gray", linestyle="--", linewidth=1, label=f"before GRPO: {acc[0]:.1%}")
-    ax.annotate(f"{acc[-1]:.1%}", (steps[-1], acc[-1]), textcoords="offset points", xytext=(-10, 8), ha="right")
+    ax.margins(y=0.12)
     ax.set_title(f"held-out accuracy: {acc[0]:.1%} → {acc[-1]:.1%}" if has_before else "held-out accuracy")
     ax.yaxis.set_major_formatter(formatter)
 

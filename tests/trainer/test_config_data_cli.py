@@ -2,6 +2,7 @@
 
 import csv
 import json
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -197,3 +198,45 @@ def test_cli_train_on_a_saved_model_folder(model_dir, dataset_file, tmp_path, ca
     saved = json.loads((tmp_path / "checkpoint-1" / "train_config.json").read_text())
     assert saved["lora_target_modules"] == "q_proj,v_proj"
     assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=False)["step"] == 1
+
+
+def test_data_errors_are_one_line_naming_the_file_and_the_problem(model_dir, tmp_path, capsys):
+    empty, bad, rows = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl", tmp_path / "rows.jsonl"
+    empty.write_text("")
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", "answer"\n')
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cases = [
+        (empty, [], f"dataset {str(empty)!r} is empty (0 bytes)"),
+        (bad, [], f"dataset {str(bad)!r}: row 3 is not valid JSON (Expecting ':' delimiter at column 28)"),
+        (
+            rows,
+            ["--answer-column", "solution", "--reward-funcs", "accuracy"],
+            f"reward 'accuracy' needs the dataset's 'solution' column (--answer-column), which dataset {str(rows)!r} "
+            "lacks; its columns: ['answer', 'prompt']",
+        ),
+    ]
+    for path, flags, message in cases:
+        argv = ["train", "--model", str(model_dir), "--dataset", str(path), "--output-dir", str(tmp_path / path.stem)]
+        assert main([*argv, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"grpo-kernels train: error: {message}"]
+
+
+def test_help_lists_the_data_formats_and_a_reward_of_your_own(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for fmt in (".jsonl (one JSON object per line)", ".json", ".csv (a header row)", ".parquet", "hub dataset"):
+        assert fmt in text
+    assert "--reward-funcs myrewards:digit_reward,format calls digit_reward from ./myrewards.py" in text
+
+
+def test_a_module_function_reward_resolves_from_the_current_folder(tmp_path, monkeypatch):
+    from grpo_kernels.trainer.data import load_reward_funcs
+
+    (tmp_path / "cwd_rewards_probe.py").write_text("def digit_reward(completions, **columns):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])  # as a console script
+    (func,) = load_reward_funcs("cwd_rewards_probe:digit_reward")
+    assert func(["x"]) == [1.0]
+    assert str(tmp_path) not in sys.path  # the lookup leaves sys.path as it found it
