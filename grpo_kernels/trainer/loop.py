@@ -176,8 +176,8 @@ def _train(
                 "time/step_s": time.perf_counter() - t0,
                 "peak_memory_mb": peak_memory_mb(device),
             }
-            stopped = any_rank(interrupt["stop"], ctx)
             last = step + 1 == cfg.max_steps
+            stopped = not last and any_rank(interrupt["stop"], ctx)  # Ctrl-C: this step is the last
             if evaluate is not None and ctx.main and eval_every and ((step + 1) % eval_every == 0 or last):
                 record |= {f"eval/{k}": v for k, v in evaluate(model, tokenizer).items()}
             records.append(record)

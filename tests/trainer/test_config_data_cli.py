@@ -203,7 +203,8 @@ def test_cli_train_on_a_saved_model_folder(model_dir, dataset_file, tmp_path, ca
 def test_data_errors_are_one_line_naming_the_file_and_the_problem(model_dir, tmp_path, capsys):
     empty, bad, rows = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl", tmp_path / "rows.jsonl"
     empty.write_text("")
-    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", "answer"\n')
+    good = '{"prompt": "1+1=", "answer": "2"}\n'
+    bad.write_text(good + good + '{"prompt": "3+3=", "answer"\n')  # row 3 is cut off after its last key
     rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cases = [
         (empty, [], f"dataset {str(empty)!r} is empty (0 bytes)"),
@@ -215,8 +216,11 @@ def test_data_errors_are_one_line_naming_the_file_and_the_problem(model_dir, tmp
             "lacks; its columns: ['answer', 'prompt']",
         ),
     ]
+    # a 1-step run of tiny completions, should a check be missing
+    small = ["--max-steps", "1", "--num-generations", "2", "--max-completion-length", "4", "--no-progress"]
     for path, flags, message in cases:
         argv = ["train", "--model", str(model_dir), "--dataset", str(path), "--output-dir", str(tmp_path / path.stem)]
+        argv += small
         assert main([*argv, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"grpo-kernels train: error: {message}"]

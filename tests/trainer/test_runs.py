@@ -31,7 +31,8 @@ def records(out):
 def test_a_folder_holding_a_run_is_refused_unless_resume_or_overwrite(model_dir, dataset_file, tmp_path, capsys):
     train(tiny_config(model_dir, dataset_file, tmp_path, max_steps=1, **CHEAP))
     assert f"starting fresh in {tmp_path}" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"already holds a run \(adapter, checkpoint-1, metrics.jsonl.*--resume.*--overwrite"):
+    refused = r"already holds a run \(adapter, checkpoint-1, metrics.jsonl.*--resume.*--overwrite"
+    with pytest.raises(ValueError, match=refused):
         train(tiny_config(model_dir, dataset_file, tmp_path, max_steps=1, **CHEAP))
     (tmp_path / "checkpoint-7").mkdir()  # an old run's higher step, which pruning or resume must never pick up
     (tmp_path / "checkpoint-7" / COMPLETE_MARKER).write_text("7\n")
@@ -64,7 +65,9 @@ def test_pruning_never_leaves_a_checkpoint_that_looks_complete(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
 
 
-def test_a_full_disk_ends_in_one_line_and_no_half_written_checkpoint(model_dir, dataset_file, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_ends_in_one_line_and_no_half_written_checkpoint(
+    model_dir, dataset_file, tmp_path, capsys, monkeypatch
+):
     real_save = checkpoint.torch.save
 
     def full_disk(obj, path):
@@ -98,7 +101,8 @@ def test_resume_refuses_a_changed_run_allows_harmless_changes_and_repairs_a_torn
         f.write('{"step": 3, "reward": 0.2')  # a record torn by a crash during its append
     capsys.readouterr()
 
-    with pytest.raises(ValueError, match=r"differs from that of .*checkpoint-2.*max_steps 2 -> 4.*--allow-config-change"):
+    refused = r"differs from that of .*checkpoint-2.*max_steps 2 -> 4.*--allow-config-change"
+    with pytest.raises(ValueError, match=refused):
         train(tiny_config(model_dir, dataset_file, tmp_path, resume=True, **(base | {"max_steps": 4})))
     with pytest.raises(ValueError, match=r"beta 0.04 -> 0.1"):
         train(tiny_config(model_dir, dataset_file, tmp_path, resume=True, beta=0.1, **base))
@@ -111,7 +115,8 @@ def test_resume_refuses_a_changed_run_allows_harmless_changes_and_repairs_a_torn
     assert [r["step"] for r in records(tmp_path)] == [1, 2]
 
     # allowed: a longer schedule, rebuilt and said so; step 3 is on the 4-step cosine curve
-    train(tiny_config(model_dir, dataset_file, tmp_path, resume=True, allow_config_change=True, **(base | {"max_steps": 4})))
+    longer = base | {"max_steps": 4}
+    train(tiny_config(model_dir, dataset_file, tmp_path, resume=True, allow_config_change=True, **longer))
     err = capsys.readouterr().err
     assert "max_steps 2 -> 4" in err and "LR schedule rebuilt for 4 steps" in err
     steps = records(tmp_path)
@@ -125,10 +130,8 @@ def test_resume_in_an_empty_folder_says_it_starts_fresh(model_dir, dataset_file,
 
 
 def test_zero_reward_variance_warns_once(model_dir, dataset_file, tmp_path, capsys):
-    cfg = tiny_config(
-        model_dir, dataset_file, tmp_path, max_steps=3, zero_variance_warning_steps=2,
-        **(CHEAP | {"reward_funcs": "tests.trainer.helpers:zero_reward"}),
-    )
+    constant = CHEAP | {"reward_funcs": "tests.trainer.helpers:zero_reward"}
+    cfg = tiny_config(model_dir, dataset_file, tmp_path, max_steps=3, zero_variance_warning_steps=2, **constant)
     train(cfg)
     err = capsys.readouterr().err
     assert err.count("warning: for 2 steps in a row every group of 2 completions got equal rewards") == 1
