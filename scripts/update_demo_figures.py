@@ -26,12 +26,14 @@ def figures(summary: dict[str, Any]) -> str:
     curve = summary.get("eval_curve", [])
     best = max(curve, key=lambda p: p["accuracy"]) if curve else None
     where = f" on a {machine['cores']}-core {machine['cpu']} CPU" if machine else ""
+    if "load_average" in machine:
+        where += f" (load average {machine['load_average']} at the end: a shared machine)"
     text = (
         f"**{before['accuracy']:.1%} → {after['accuracy']:.1%} held-out accuracy** (mean reward "
         f"{before['reward']:.3f} → {after['reward']:.3f}) in {summary['seconds']:.0f} s{where}, seed "
         f"{summary['config']['seed']}, {summary['grpo']['max_steps']} GRPO steps"
     )
-    if best is not None:
+    if best is not None and best["accuracy"] > after["accuracy"]:
         text += f"; the held-out curve peaks at {best['accuracy']:.1%} (step {best['step']})"
     return text + "."
 
@@ -50,9 +52,9 @@ def main() -> None:
     run = Path(parser.parse_args().run)
     summary = json.loads((run / "summary.json").read_text())
     DOCS.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(summary["plot"], DOCS / "training_curves.png")
+    shutil.copyfile(run / "training_curves.png", DOCS / "training_curves.png")
     summary["plot"] = "docs/demo/training_curves.png"
-    summary["config"]["output_dir"] = summary["grpo"]["output_dir"] = str(run)
+    summary["config"]["output_dir"], summary["grpo"]["output_dir"] = str(run), str(run / "grpo")
     (DOCS / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     update_readme(summary)
     print(f"README demo figures: {figures(summary)}")

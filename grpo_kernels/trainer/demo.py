@@ -256,7 +256,12 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
         ],
         "config": {k: v for k, v in asdict(cfg).items() if k != "grpo"},
         "grpo": grpo_cfg.to_dict(),
-        "machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__},
+        "machine": {
+            "cpu": platform.machine(),
+            "cores": os.cpu_count(),
+            "load_average": round(os.getloadavg()[0], 1),  # times on a shared machine stretch with its load
+            "torch": torch.__version__,
+        },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return DemoResult(before, after, seconds, plot_path, str(out))

@@ -124,23 +124,43 @@ def test_partial_checkpoints_are_never_picked(tmp_path):
     assert not (tmp_path / ".tmp-checkpoint-11-abc").exists() and not (tmp_path / ".deleting-checkpoint-1").exists()
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_plot_leads_with_held_out_accuracy_and_leaves_out_flat_panels(tmp_path, monkeypatch):
+    import matplotlib.figure
+
     records = [
         {
             "step": s,
             "reward": 0.1 * s,
-            "reward_std": 0.1,
             "accuracy": 0.05 * s,
-            "loss": 0.01,
+            "loss": 0.01 * s,
             "kl": 0.001 * s,
-            "clip_ratio/region_mean": 0.0,
-            "entropy": 1.0,
-            "completions/mean_length": 20,
+            "clip_ratio/region_mean": 0.0,  # mu = 1: always 0, a panel with nothing to show
+            "entropy": 4.6055 + 1e-5 * s,  # a narrow range, which matplotlib would label as an offset
+            "completions/mean_length": 20,  # constant too
+            **({"eval/accuracy": 0.4 + 0.05 * s} if s % 2 == 0 else {}),
         }
-        for s in range(1, 6)
+        for s in range(1, 3)  # two steps: matplotlib's own ticks would be 1.0, 1.2, ... 2.0
     ]
-    path = plot_metrics(records, tmp_path / "curves.png")
+    figures = []
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def saving(fig, *args, **kwargs):
+        figures.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", saving)
+    path = plot_metrics(records, tmp_path / "curves.png", before={"accuracy": 0.4})
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = figures[0].axes
+    titles = [ax.get_title() for ax in axes]
+    assert titles[0] == "held-out accuracy: 40.0% → 50.0%"  # step 0 (before), then the evaluations
+    assert titles[1].startswith("training reward")
+    assert not any("clip" in t or "length" in t for t in titles)
+    assert [list(line.get_xdata()) for line in axes[0].get_lines()][0] == [0, 2]
+    figures[0].canvas.draw()
+    for ax in axes:
+        assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_title()  # whole steps only
+        assert ax.yaxis.get_offset_text().get_text() == "", ax.get_title()  # no "+4.6055" above the axis
 
 
 def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch, dataset_file):
