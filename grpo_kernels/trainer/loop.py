@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import grpo_loss
+from ..config import TOKEN_COUNT_LOSS_TYPES
 from ..rewards import RewardFunc
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -38,9 +39,6 @@ from .rundir import ADAPTER_DIR, METRICS_FILE, PLOT_FILE, prepare_output_dir, re
 from .rundir import write_metrics
 from .sampling import sample_seed
 
-# Loss types whose normalizer is the token count of the whole rollout batch (TRL's num_items_in_batch): their
-# micro-batch losses add up; the others average per micro-batch and are divided by the number of micro-batches.
-TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")
 Evaluator = Callable[[Any, Any], dict[str, float]]  # (model, tokenizer) -> metrics, logged as eval/<name>
 
 
@@ -285,7 +283,9 @@ def _micro_batch_loss(
         backend=cfg.backend,
         **cfg.loss_options(),  # temperature and max_completion_length included: sampling and loss share them
     )
-    loss = out.loss if cfg.loss.loss_type in TOKEN_SUM_LOSSES else out.loss / num_chunks
+    # token-count losses are normalized by the whole rollout batch's tokens (num_items_in_batch): their micro-batch
+    # losses add up; the others average per micro-batch and are divided by the number of micro-batches
+    loss = out.loss if cfg.loss.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / num_chunks
     loss.backward()
     # The metrics are already means over this micro-batch of every rank, so they weigh by its tokens on every rank
     w = all_reduce_(roll.completion_mask[sl].sum().double(), ctx).item()
