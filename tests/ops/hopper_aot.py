@@ -58,13 +58,14 @@ def main_configs(vocab: int, dtype: str) -> list[dict]:
     ]
 
 
-def compile_rows(configs: list[dict], site: str | None = None) -> list[dict]:
-    """Compile `configs` in a subprocess (Triton from `site` when given); one result dict per config."""
+def compile_rows(configs: list[dict], site: str | None = None, sass: bool = False) -> list[dict]:
+    """Compile `configs` in a subprocess (Triton from `site` when given); one result dict per config. `sass`: also
+    disassemble each cubin and count the instructions of its tile loops (`sass_loops`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, __file__],
-        input=json.dumps(configs),
+        input=json.dumps({"configs": configs, "sass": sass}),
         check=False,
         capture_output=True,
         text=True,
@@ -171,7 +172,7 @@ def _ptxas_name() -> str:
     return Path(tool.path).name
 
 
-def _compile(cfg: dict, seen: dict) -> dict:
+def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -232,11 +233,14 @@ def _compile(cfg: dict, seen: dict) -> dict:
     regs, spill_st, spill_ld = seen[key]
     ptx = compiled.asm["ptx"]
     loops = [loop_loads_in_flight(body) for body in innermost_loops(ptx)]
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True, text=True)
+    sass_loops = None
+    if sass:
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            dump = subprocess.run([str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True, text=True)
+            sass_loops = sass_tile_loops(dump.stdout)
     threads = 32 * num_warps
     return {
         **cfg,
@@ -252,18 +256,18 @@ def _compile(cfg: dict, seen: dict) -> dict:
         "smem": int(compiled.metadata.shared),
         "vector_loads": bool(re.search(r"(ld\.global[^\n]*\.v[24]\.|cp\.async[^\n]*0x10)", ptx)),
         "loops": [{**lp, "bytes_per_program": lp["bytes"] * threads} for lp in loops],
-        "sass_loops": sass_tile_loops(sass.stdout),
+        "sass_loops": sass_loops,
     }
 
 
 def _main() -> None:
-    configs = json.loads(sys.stdin.read())
+    request = json.loads(sys.stdin.read())
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: every kernel is assembled here, with its log
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
         os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"  # the launch default; silences Triton 3.9's notice about it
         seen: dict = {}
-        rows = [_compile(cfg, seen) for cfg in configs]
+        rows = [_compile(cfg, seen, request["sass"]) for cfg in request["configs"]]
     print(json.dumps(rows))
 
 

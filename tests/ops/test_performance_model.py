@@ -82,7 +82,7 @@ def test_bytes_in_flight_and_l2_working_set(site):
     _require_aot(site)
     configs = [cfg for dtype, vocab in SHAPES for cfg in hopper_aot.main_configs(vocab, dtype)]
     sms, l2 = triton_logits.REFERENCE_SMS, triton_logits.REFERENCE_L2_BYTES
-    rows = model(hopper_aot.compile_rows(configs, site), sms, l2)
+    rows = model(hopper_aot.compile_rows(configs, site, sass=True), sms, l2)
     print_model(rows, l2)
     short = [(m["label"], m["dtype"], m["vocab"], round(m["flight_sm"])) for m in rows
              if m["flight_sm"] < triton_logits.IN_FLIGHT_PER_SM]  # fmt: skip
@@ -128,6 +128,15 @@ def test_ptx_loop_analysis():
     (body,) = hopper_aot.innermost_loops(PLAIN_PTX)
     assert hopper_aot.loop_loads_in_flight(body) == {"pipelined": False, "groups": 1, "bytes": 34, "vec16_per_iter": 2}
     assert hopper_aot.innermost_loops("$L__BB0_1:\n\tbra.uni \t$L__BB0_2;\n$L__BB0_2:\n") == []
+    sass = (
+        "        /*0100*/                   MUFU.EX2 R1, R2 ;\n"
+        "        /*0110*/                   FADD R3, R1, R4 ;\n"
+        "        /*0120*/               @P0 BRA 0x100 ;\n"
+        "        /*0130*/                   IADD3 R5, R5, 0x1, RZ ;\n"
+        "        /*0140*/               @P1 BRA 0x130 ;\n"
+        "        /*0150*/                   EXIT ;\n"
+    )
+    assert hopper_aot.sass_tile_loops(sass) == [{"instructions": 3, "ex2": 1}]  # the second loop has no exp2
     assert hopper_aot.programs_per_sm(64, 16, 16448) == 2
     assert hopper_aot.programs_per_sm(111, 16, 65600) == 1
     assert hopper_aot.programs_per_sm(64, 16, 230 << 10) == 0
