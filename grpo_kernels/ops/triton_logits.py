@@ -440,7 +440,7 @@ def _aligned(*strides: int) -> bool:
 
 def _block_config(vocab: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) keyed on V: 8-16 elements per thread, one or two 16-byte vectors of bf16. The loads in
-    flight come from pipelining the tile loop (`_num_stages`), not from wider tiles, so registers stay low: 0 spills
+    flight come from pipelining the tile loop (`_pipeline`), not from wider tiles, so registers stay low: 0 spills
     on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9)."""
     if vocab <= 256:  # toy vocabularies: one warp is plenty
         return max(16, triton.next_power_of_2(vocab)), 1
@@ -470,7 +470,7 @@ def _grid_size(rows: int, row_bytes: int, two_pass: bool, sms: int, l2_bytes: in
     Single pass: one program per row (the hardware keeps as many resident as registers and shared memory allow).
     Two passes: pass 2 re-reads the row while it is still in L2, so the rows in flight (one per program) must fit
     in L2_FRACTION of it: at most that many programs, even below one per SM. A bf16 row of 151936 logits is 297 KiB:
-    86 rows fill 25 MiB of a 50 MiB L2 (132, one per SM, would fill 39 MiB); fp32: 43 rows."""
+    86 rows fill 24.9 MiB of a 50 MiB L2 (132, one per SM, would fill 38.3 MiB); fp32: 43 rows."""
     if not two_pass:
         return max(1, rows)
     fit = max(1, int(l2_bytes * L2_FRACTION) // max(1, row_bytes))
@@ -510,7 +510,7 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     stages, per_sm = _pipeline(args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device))
     if not args["ALIGNED"]:  # scalar loads (no cp.async below 4 bytes): more registers, one program per SM
         per_sm = 1
-    return stages, _max_registers(args["num_warps"], per_sm)
+    return stages, _max_registers(args.get("num_warps", 4), per_sm)  # 4: Triton's default
 
 
 @functools.cache

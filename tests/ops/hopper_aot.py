@@ -18,6 +18,7 @@ Loads in flight, per thread, of each innermost loop of the PTX (a loop is a bran
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -29,17 +30,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FLOAT_ARGS = ("k2", "inv_tau", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg")
-OPTIONAL_PTRS = {"h_ptr": "HAS_ENT", "hw_ptr": "HAS_ENT", "old_ptr": "HAS_OLD", "ref_ptr": "HAS_REF", "rho_ptr": "HAS_RATIO"}
+FLOAT_ARGS = ("k2", "inv_tau", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg", "inv_t")
+# (pointer, flag): the pointer is None (a None constexpr, as at launch) when its kernel's flag is False
+OPTIONAL_PTRS = (
+    ("h_ptr", "HAS_ENT"), ("hw_ptr", "HAS_ENT"), ("old_ptr", "HAS_OLD"), ("ref_ptr", "HAS_REF"),
+    ("rho_ptr", "HAS_RATIO"), ("h_ptr", "HAS_H"),
+)  # fmt: skip
 FP32_PTRS = (
     "logp_ptr", "ent_ptr", "state_ptr", "parts_ptr", "g_ptr", "h_ptr", "adv_ptr", "old_ptr", "ref_ptr", "rho_ptr",
-    "w_ptr", "hw_ptr",
+    "w_ptr", "hw_ptr", "z_ptr", "max_ptr", "sum_exp_ptr", "sum_exp_z_ptr", "target_ptr", "lse_ptr", "mean_z_ptr",
 )  # fmt: skip
+LOGITS_DTYPE_PTRS = ("x_ptr", "out_ptr", "dz_ptr")  # the ones in the logits' (or GEMM's) dtype
+ID_PTRS = ("y_ptr", "ids_ptr")
 FUSED_FLAGS = ("HAS_OLD", "HAS_REF", "HAS_RATIO", "HAS_ENT", "HAS_DELTA", "BIAS_KL")
 
 
-def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict) -> dict:
-    return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags}
+def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict, module: str = "triton_logits") -> dict:
+    """One compile: `kernel` of grpo_kernels.ops.`module` for logits of `dtype` and vocabulary (or tile) width
+    `vocab`, with the constexpr `flags`."""
+    return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags, "module": module}
 
 
 def main_configs(vocab: int, dtype: str) -> list[dict]:
@@ -178,12 +187,14 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from grpo_kernels.ops import triton_logits
-
-    kernel = getattr(triton_logits, cfg["kernel"])
-    jit = kernel.fn  # under the triton.heuristics wrapper
+    module = importlib.import_module(f"grpo_kernels.ops.{cfg['module']}")
+    kernel = getattr(module, cfg["kernel"])
+    jit = kernel.fn if hasattr(kernel, "values") else kernel  # under a triton.heuristics wrapper, or not
     vocab, dtype, flags = cfg["vocab"], cfg["dtype"], cfg["flags"]
-    block_v, num_warps = triton_logits._block_config(vocab)
+    if cfg["module"] == "triton_logits":
+        block_v, num_warps = module._block_config(vocab)
+    else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
+        block_v, num_warps = module._block_v(vocab), 4
     # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the
     # heuristics fall back to the reference H100/H200 figures).
     probe = {
@@ -195,21 +206,21 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     }
     constexprs = dict(flags, BLOCK_V=block_v)
     options = {"num_warps": num_warps}
-    for name, heur in kernel.values.items():
+    for name, heur in getattr(kernel, "values", {}).items():
         if name == "maxnreg":
             options["maxnreg"] = heur(probe)
         elif name == "NUM_STAGES":
             constexprs[name] = heur(probe)
-    for ptr, flag in OPTIONAL_PTRS.items():  # a flag that is False because its input is None: a None constexpr
-        if ptr in jit.arg_names and not flags.get(flag, True):
+    for ptr, flag in OPTIONAL_PTRS:
+        if ptr in jit.arg_names and flag in flags and not flags[flag]:
             constexprs[ptr] = None
     signature, attrs = {}, {}
     for i, name in enumerate(jit.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("x_ptr", "out_ptr"):
+        elif name in LOGITS_DTYPE_PTRS:
             signature[name] = f"*{dtype}"
-        elif name == "y_ptr":
+        elif name in ID_PTRS:
             signature[name] = "*i64"
         elif name in FP32_PTRS:
             signature[name] = "*fp32"
@@ -217,8 +228,9 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"  # N, T, V and the (unspecialized) strides
-        # What the launcher's specialization sees: 16-byte aligned tensors, V = 151936 etc. divisible by 16.
-        if signature[name].startswith("*") or (name == "V" and vocab % 16 == 0):
+        # What the launcher's specialization sees: 16-byte aligned tensors, V = 151936 etc. divisible by 16, the
+        # fused-linear tiles' row strides (multiples of 256 columns) too.
+        if signature[name].startswith("*") or (name == "V" and vocab % 16 == 0) or name in ("stride_z", "stride_dz"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG: make_cubin prints ptxas' -v log

@@ -57,6 +57,13 @@ def _configs() -> list[dict]:
             out.append(config(f"fused {name} all", "fused_token_grad_fwd_kernel", dtype, vocab, every))
     every = {"LOSS": 0, "ALIGNED": False, **dict.fromkeys(FUSED_FLAGS, True)}
     out.append(config("fused clip all unaligned", "fused_token_grad_fwd_kernel", dtype, vocab, every))
+    # The fused-linear folds (ops/linear_triton.py): fp32 logits tiles, the gradient in the GEMM dtype.
+    for width in (200, 4096):
+        out.append(config("linear stats", "linear_stats_fwd_kernel", "fp32", width, {}, "linear_triton"))
+        for grad_dtype in DTYPES:
+            for has_h in (False, True):
+                label = "linear grad+H" if has_h else "linear grad"
+                out.append(config(label, "linear_grad_bwd_kernel", grad_dtype, width, {"HAS_H": has_h}, "linear_triton"))
     return out
 
 
