@@ -45,7 +45,7 @@ def _load_bt(p, i_b, i_t, stride_b, stride_t):
 
 
 @triton.jit
-def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr):
+def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
     e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe and c2 = Σ p·z2 (= Σ p z' / ln 2)."""
     x_y = tl.load(p_x + y).to(tl.float32)
@@ -55,11 +55,13 @@ def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr):
     b_so = 0.0  # Σ_{v≠y} e, relative to the running max
     b_to = 0.0  # Σ_{v≠y} e·z2
     o_b = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        o_v = v0 + o_b
+    # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline.
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
+        # Offsets relative to the tile (o_b is loop invariant): the pipeliner then carries one scalar per stage,
+        # not a tensor of pointers and masks.
         # evict_last: pass 2 re-reads this row right away; keep it in L2.
-        b_x = tl.load(p_x + o_v, mask=o_v < V, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
-        b_x = tl.where(o_v == y, float("-inf"), b_x)  # [BLOCK_V]
+        b_x = tl.load(p_x + v0 + o_b, mask=o_b < V - v0, other=float("-inf"), eviction_policy="evict_last")
+        b_x = tl.where(o_b == y - v0, float("-inf"), b_x.to(tl.float32))  # [BLOCK_V]
         b_m_new = tl.maximum(b_m, tl.max(b_x, 0))
         # A row that is -inf so far (leading padded tiles) has no scale yet; any finite reference does.
         b_mx = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -82,25 +84,38 @@ def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _row_grad_store(
-    p_x, p_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr
+    p_x,
+    p_o,
+    y,
+    V,
+    k2,
+    inv_tau,
+    b_mx,
+    b_log2s,
+    b_q,
+    b_c2,
+    b_g,
+    b_h,
+    HAS_ENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile. Each tile is read before it is
     written, so `p_o` may point at the logits themselves."""
     o_b = tl.arange(0, BLOCK_V)
     b_hl = b_h * LN2  # h·(z' − c) = h·ln2·(z2 − c2)
-    for v0 in range(0, V, BLOCK_V):
-        o_v = v0 + o_b
-        m_v = o_v < V
-        b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
+        m_v = o_b < V - v0  # tile-relative offsets, as in pass 1
+        b_x = tl.load(p_x + v0 + o_b, mask=m_v, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
         b_z = (b_x - b_mx) * k2  # [BLOCK_V], as in pass 1
         b_p = tl.exp2(b_z - b_log2s)
         if HAS_ENT:
             # Where p == 0 (−inf padding) the centered term is p·(z' − c) = 0, not 0·(−inf); a NaN p stays NaN.
             b_cz = b_hl * (tl.where(b_p > 0, b_z, b_c2) - b_c2)
-            b_d = tl.where(o_v == y, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
+            b_d = tl.where(o_b == y - v0, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
         else:
-            b_d = tl.where(o_v == y, b_g * b_q, -b_g * b_p)
-        tl.store(p_o + o_v, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
+            b_d = tl.where(o_b == y - v0, b_g * b_q, -b_g * b_p)
+        tl.store(p_o + v0 + o_b, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -115,7 +130,13 @@ def _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED: tl.constexpr):
     return i_row, i_b, i_t, o_x
 
 
-@triton.heuristics({"ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"])})
+@triton.heuristics(
+    {
+        "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"]),
+        "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
+        "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
+    }
+)
 @triton.jit(do_not_specialize=["N", "T", "stride_xb", "stride_xt", "stride_yb", "stride_yt"])
 def row_stats_fwd_kernel(
     x_ptr,  # [B, T, V] logits
@@ -133,11 +154,12 @@ def row_stats_fwd_kernel(
     k2,  # log2(e) / τ
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
         i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
+        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
         tl.store(logp_ptr + i_row, (b_zy - b_log2s) * LN2)
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         p_s = state_ptr + i_row * 4
@@ -151,6 +173,8 @@ def row_stats_fwd_kernel(
     {
         "HAS_ENT": lambda a: a["h_ptr"] is not None,
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
+        "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
+        "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
     }
 )
 @triton.jit(
@@ -184,6 +208,7 @@ def row_stats_bwd_kernel(
     HAS_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
         i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
@@ -201,11 +226,18 @@ def row_stats_bwd_kernel(
         if HAS_ENT:
             b_h = _load_bt(h_ptr, i_b, i_t, stride_hb, stride_ht)
         _row_grad_store(
-            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
-        )
+            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V,
+            NUM_STAGES,
+        )  # fmt: skip
 
 
-@triton.heuristics({"ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"])})
+@triton.heuristics(
+    {
+        "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"]),
+        "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
+        "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
+    }
+)
 @triton.jit(do_not_specialize=["N", "T", "offset", "stride_xb", "stride_xt", "stride_yb", "stride_yt"])
 def shard_partials_fwd_kernel(
     x_ptr,  # [B, T, V] logits of one vocabulary shard [offset, offset + V)
@@ -222,6 +254,7 @@ def shard_partials_fwd_kernel(
     k2,
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
         i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
@@ -230,7 +263,7 @@ def shard_partials_fwd_kernel(
         # A target outside the shard: scan with column 0 as a stand-in target. The scan's max, Σe and Σp·z2 cover
         # every column either way; only its ℓ and 1 − p_y refer to the target, and those are not used then.
         y_in = tl.where(inside, y, 0).to(tl.int32)
-        b_mx, b_log2s, _, b_q, b_c2 = _row_scan(x_ptr + o_x, y_in, V, k2, BLOCK_V)
+        b_mx, b_log2s, _, b_q, b_c2 = _row_scan(x_ptr + o_x, y_in, V, k2, BLOCK_V, NUM_STAGES)
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
         p_p = parts_ptr + i_row * 5
@@ -305,6 +338,8 @@ def _token_coef(
         "HAS_RATIO": lambda a: a["rho_ptr"] is not None,
         "HAS_ENT": lambda a: a["hw_ptr"] is not None,
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
+        "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
+        "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
     }
 )
 @triton.jit(
@@ -365,6 +400,7 @@ def fused_token_grad_fwd_kernel(
     HAS_RATIO: tl.constexpr,
     HAS_ENT: tl.constexpr,
     ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
         i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
@@ -388,7 +424,7 @@ def fused_token_grad_fwd_kernel(
         if HAS_ENT:
             b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
 
-        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V)
+        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
         b_lp = (b_zy - b_log2s) * LN2
         tl.store(logp_ptr + i_row, b_lp)
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
@@ -399,8 +435,9 @@ def fused_token_grad_fwd_kernel(
             LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
         )  # fmt: skip
         _row_grad_store(
-            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V
-        )
+            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V,
+            NUM_STAGES,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -413,9 +450,9 @@ def _aligned(*strides: int) -> bool:
 
 
 def _block_config(vocab: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) keyed on V. Aim: 8-16 elements per thread, i.e. one or two 16-byte vectors for bf16,
-    so a tile's loads are all in flight together, and no more than that, so no register spills (checked for
-    sm_90a by tests/ops/test_hopper_compile.py)."""
+    """(BLOCK_V, num_warps) keyed on V: 8-16 elements per thread, one or two 16-byte vectors of bf16. The loads in
+    flight come from pipelining the tile loop (`_pipeline`), not from wider tiles, so registers stay low: 0 spills
+    on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9)."""
     if vocab <= 256:  # toy vocabularies: one warp is plenty
         return max(16, triton.next_power_of_2(vocab)), 1
     if vocab <= 1024:
@@ -424,27 +461,87 @@ def _block_config(vocab: int) -> tuple[int, int]:
         return triton.next_power_of_2(vocab), 8
     if vocab <= 32768:  # Llama-2 (32000), Mistral (32768): 8 tiles of 4096
         return 4096, 8
-    return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936): 16-19 tiles of 8192 with 512 threads
+    return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
+
+
+# The latency model (docs/performance.md). Little's law: a memory system delivering bandwidth W at latency L needs
+# W·L bytes in flight. Reference device: H100/H200 SXM, 132 SMs, 50 MiB L2, 4.3 TB/s copy rate, ~0.7 µs loaded
+# DRAM latency: 4.3e12 B/s x 0.7e-6 s = 3.0 MB, 22.8 KB per SM. The target adds 40 % for latency under load.
+REFERENCE_SMS = 132
+REFERENCE_L2_BYTES = 50 << 20  # also the fallback when the device does not report its L2 size
+IN_FLIGHT_PER_SM = 32 << 10  # bytes of loads in flight per SM, averaged over all SMs
+L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fill (the gradient streams beside them)
+MAX_PROGRAMS_PER_SM = 4  # the persistent grid never asks for more (two-pass kernels)
+MAX_PIPELINE_BYTES = 192 << 10  # shared memory for the tiles in flight of one program (227 KiB per block on sm_90)
+
+
+def _grid_size(rows: int, row_bytes: int, two_pass: bool, sms: int, l2_bytes: int) -> int:
+    """Programs to launch; each loops over rows i, i + grid, ...
+
+    Single pass: one program per row (the hardware keeps as many resident as registers and shared memory allow).
+    Two passes: pass 2 re-reads the row while it is still in L2, so the rows in flight (one per program) must fit
+    in L2_FRACTION of it: at most that many programs, even below one per SM. A bf16 row of 151936 logits is 297 KiB:
+    86 rows fill 24.9 MiB of a 50 MiB L2 (132, one per SM, would fill 38.3 MiB); fp32: 43 rows."""
+    if not two_pass:
+        return max(1, rows)
+    fit = max(1, int(l2_bytes * L2_FRACTION) // max(1, row_bytes))
+    return max(1, min(rows, fit, sms * MAX_PROGRAMS_PER_SM))
+
+
+def _pipeline(block_v: int, elem_bytes: int, vocab: int, two_pass: bool, sms: int, l2_bytes: int) -> tuple[int, int]:
+    """(NUM_STAGES, resident programs per SM planned) of one launch.
+
+    NUM_STAGES − 1 tiles are in flight (cp.async into shared memory) while one is reduced; 1 is no pipeline (a
+    one-tile row). The resident programs together carry IN_FLIGHT_PER_SM x SMs. Single pass: two programs per SM
+    (a third would cap registers below what a 16-warp pipelined tile needs without spilling). Two passes: the
+    L2-sized grid of `_grid_size`, below one program per SM for large rows, so each program gets a deeper pipeline
+    (in-row parallelism in place of rows)."""
+    tiles = -(-vocab // block_v)
+    tile_bytes = block_v * elem_bytes
+    resident = 2 * sms
+    if two_pass:
+        resident = min(MAX_PROGRAMS_PER_SM * sms, _grid_size(1 << 30, vocab * elem_bytes, True, sms, l2_bytes))
+    per_sm = -(-resident // sms)
+    if tiles <= 1:  # the whole row is one tile: only more programs put more loads in flight
+        return 1, min(per_sm, -(-IN_FLIGHT_PER_SM // tile_bytes))
+    want = -(-IN_FLIGHT_PER_SM * sms // (resident * tile_bytes))  # tiles in flight per program
+    return 1 + max(1, min(want, tiles, MAX_PIPELINE_BYTES // tile_bytes)), per_sm
+
+
+def _max_registers(num_warps: int, per_sm: int) -> int:
+    """ptxas' register ceiling (maxnreg) for `per_sm` resident programs of `num_warps` warps: 64 Ki registers per
+    SM, allocated in multiples of 8 per thread. Without it ptxas picks its own occupancy target, and may spill."""
+    return min(255, 65536 // (32 * num_warps * per_sm) // 8 * 8)
+
+
+def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
+    """(NUM_STAGES, maxnreg) of a row kernel from its launch arguments, ALIGNED included (the kernels' heuristics):
+    `_pipeline` on the launch's device, the reference device off CUDA (where the interpreter ignores both)."""
+    x = args["x_ptr"]
+    stages, per_sm = _pipeline(args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device))
+    if not args["ALIGNED"]:  # scalar loads (no cp.async below 4 bytes): more registers, one program per SM
+        per_sm = 1
+    return stages, _max_registers(args.get("num_warps", 4), per_sm)  # 4: Triton's default
 
 
 @functools.cache
 def _device_caps(index: int) -> tuple[int, int]:
+    """(SM count, L2 bytes) of a CUDA device; REFERENCE_L2_BYTES where torch does not report the L2 size."""
     props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
+    return props.multi_processor_count, int(getattr(props, "L2_cache_size", 0) or REFERENCE_L2_BYTES)
+
+
+def _device_caps_of(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return REFERENCE_SMS, REFERENCE_L2_BYTES
+    return _device_caps(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _num_programs(rows: int, row_bytes: int, two_pass: bool, device: torch.device) -> int:
-    """Grid size; each program loops over rows i, i + grid, ...
-
-    Single pass: one program per row. Two passes: pass 2 re-reads the row while it is still in L2, so the rows in
-    flight (about one per resident program) must fit in L2 next to the gradient being written: resident programs
-    x row bytes <= L2 / 2, at least one program per SM (a bf16 row of 151936 logits is 297 KiB; 132 of them on an
-    H100 fill 39 MiB of its 50 MiB L2, already more than half). Under the interpreter: one program per row."""
-    if device.type != "cuda" or not two_pass:
+    """Grid size on `device` (`_grid_size`); under the interpreter one program per row."""
+    if device.type != "cuda":
         return rows
-    sms, l2 = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
-    per_sm = max(1, min(4, (l2 // 2) // max(1, sms * row_bytes)))
-    return max(1, min(rows, sms * per_sm))
+    return _grid_size(rows, row_bytes, two_pass, *_device_caps_of(device))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -553,7 +650,7 @@ def row_grad(
     kernel_state[..., 1::2] /= LN2.value  # natural units -> the kernel's log2 ones
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)  # one read per row
     row_stats_bwd_kernel[grid](
         logits, ids, kernel_state, g, h, out, rows, length, vocab,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),

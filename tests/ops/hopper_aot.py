@@ -1,0 +1,287 @@
+"""Ahead-of-time sm_90a (H100/H200) compiles of the Triton row kernels, on a machine without a GPU.
+
+`compile_rows(configs, site)` runs `python hopper_aot.py` in a subprocess (without TRITON_INTERPRET: under the
+interpreter `@triton.jit` yields an InterpretedFunction that `triton.compile` cannot take), with `site` (a folder
+holding another Triton, from `pip install --target`) first on the path. The subprocess lowers each kernel with
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`, so the cubin comes from the assembler and the
+flags this Triton itself uses (plain `ptxas` for sm_90 on Triton 3.5/3.6, `ptxas-blackwell` on 3.9), with the
+NUM_STAGES and maxnreg the kernels' launch heuristics pick; it reads registers and spills from that ptxas run's -v
+log and the loads in flight from the PTX.
+
+Loads in flight, per thread, of each innermost loop of the PTX (a loop is a branch back to an earlier label):
+- software-pipelined (cp.async into shared memory): the loop issues one commit group per iteration and waits with
+  `cp.async.wait_group N` for the oldest, so N + 1 groups are outstanding while it waits: (N + 1) x the cp.async
+  bytes of one iteration;
+- plain loads: the `ld.global` bytes of one iteration (ptxas issues a tile's independent loads together).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FLOAT_ARGS = ("k2", "inv_tau", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg", "inv_t")
+# (pointer, flag): the pointer is None (a None constexpr, as at launch) when its kernel's flag is False
+OPTIONAL_PTRS = (
+    ("h_ptr", "HAS_ENT"), ("hw_ptr", "HAS_ENT"), ("old_ptr", "HAS_OLD"), ("ref_ptr", "HAS_REF"),
+    ("rho_ptr", "HAS_RATIO"), ("h_ptr", "HAS_H"),
+)  # fmt: skip
+FP32_PTRS = (
+    "logp_ptr", "ent_ptr", "state_ptr", "parts_ptr", "g_ptr", "h_ptr", "adv_ptr", "old_ptr", "ref_ptr", "rho_ptr",
+    "w_ptr", "hw_ptr", "z_ptr", "max_ptr", "sum_exp_ptr", "sum_exp_z_ptr", "target_ptr", "lse_ptr", "mean_z_ptr",
+)  # fmt: skip
+LOGITS_DTYPE_PTRS = ("x_ptr", "out_ptr", "dz_ptr")  # the ones in the logits' (or GEMM's) dtype
+ID_PTRS = ("y_ptr", "ids_ptr")
+FUSED_FLAGS = ("HAS_OLD", "HAS_REF", "HAS_RATIO", "HAS_ENT", "HAS_DELTA", "BIAS_KL")
+
+
+def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict, module: str = "triton_logits") -> dict:
+    """One compile: `kernel` of grpo_kernels.ops.`module` for logits of `dtype` and vocabulary (or tile) width
+    `vocab`, with the constexpr `flags`."""
+    return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags, "module": module}
+
+
+def main_configs(vocab: int, dtype: str) -> list[dict]:
+    """The three kernels a training step runs: stats, the gradient with the entropy term, the fused kernel with
+    every clipped-loss option on."""
+    return [
+        config("stats", "row_stats_fwd_kernel", dtype, vocab, {"ALIGNED": True}),
+        config("grad+H", "row_stats_bwd_kernel", dtype, vocab, {"HAS_ENT": True, "ALIGNED": True}),
+        config(
+            "fused clip all",
+            "fused_token_grad_fwd_kernel",
+            dtype,
+            vocab,
+            {"LOSS": 0, "ALIGNED": True, **dict.fromkeys(FUSED_FLAGS, True)},
+        ),
+    ]
+
+
+def compile_rows(configs: list[dict], site: str | None = None, sass: bool = False) -> list[dict]:
+    """Compile `configs` in a subprocess (Triton from `site` when given); one result dict per config. `sass`: also
+    disassemble each cubin and count the instructions of its tile loops (`sass_loops`)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps({"configs": configs, "sass": sass}),
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=1200,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"AOT compile subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PTX and ptxas log analysis (pure functions, also used on hand-written PTX in the tests)
+
+
+_LABEL = re.compile(r"^(\$L__\w+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
+_CP_ASYNC = re.compile(r"\bcp\.async\.(?:ca|cg)\.shared\.global\S*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
+_WAIT = re.compile(r"\bcp\.async\.wait_group\s+(\d+);")
+_LD_GLOBAL = re.compile(r"\bld\.global\S*?(?:\.v(\d))?\.[bsuf](\d+)\s")
+
+
+def innermost_loops(ptx: str) -> list[list[str]]:
+    """The bodies (header label to back branch) of the loops that contain no other loop, in program order."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line.strip()))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [lines[a : b + 1] for a, b in sorted(set(inner))]
+
+
+def loop_loads_in_flight(body: list[str]) -> dict:
+    """Bytes per thread that one loop keeps in flight (see the module docstring)."""
+    cp_bytes = sum(int(m.group(1), 0) for line in body if (m := _CP_ASYNC.search(line)))
+    waits = [int(m.group(1)) for line in body if (m := _WAIT.search(line))]
+    ld_bytes, vec16 = 0, 0
+    for line in body:
+        if m := _LD_GLOBAL.search(line):
+            size = int(m.group(1) or 1) * int(m.group(2)) // 8
+            ld_bytes += size
+            vec16 += size == 16
+    cp16 = sum(1 for line in body if (m := _CP_ASYNC.search(line)) and int(m.group(1), 0) == 16)
+    if cp_bytes:
+        groups = (max(waits) + 1) if waits else 1
+        return {"pipelined": True, "groups": groups, "bytes": groups * cp_bytes, "vec16_per_iter": cp16}
+    return {"pipelined": False, "groups": 1, "bytes": ld_bytes, "vec16_per_iter": vec16}
+
+
+_SASS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_tile_loops(sass: str) -> list[dict]:
+    """Instructions per iteration of each innermost SASS loop (a BRA back to a lower address) that evaluates exp2
+    (the tile loops), in program order: what one warp issues per tile."""
+    code = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := _SASS.match(line))]
+    loops = []
+    for addr, text in code:
+        if (m := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    out = []
+    for a, b in sorted(set(inner)):
+        body = [text for addr, text in code if a <= addr <= b]
+        if any("MUFU.EX2" in t for t in body):
+            out.append({"instructions": len(body), "ex2": sum("MUFU.EX2" in t for t in body)})
+    return out
+
+
+def ptxas_report(log: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from a ptxas -v log."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not regs or not spill:
+        raise ValueError(f"not a ptxas -v log: {log[-500:]!r}")
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+
+
+def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
+    """Resident programs per sm_90 SM: 64 Ki registers (allocated per warp in units of 256), 64 warps, 32 blocks,
+    228 KiB of shared memory (1 KiB reserved per block, at most 227 KiB for one)."""
+    regs_per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (65536 // regs_per_warp) // num_warps
+    by_smem = (228 << 10) // (smem + 1024) if smem <= 227 << 10 else 0
+    return max(0, min(by_regs, 64 // num_warps, 32, by_smem))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The subprocess
+
+
+def _ptxas_name() -> str:
+    """The assembler this Triton's NVIDIA backend runs for sm_90."""
+    from triton.backends.nvidia import compiler as nv
+
+    try:
+        tool = nv.get_ptxas(90)
+    except TypeError:  # Triton <= 3.5: one ptxas for every architecture
+        tool = nv.get_ptxas()
+    return Path(tool.path).name
+
+
+def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module(f"grpo_kernels.ops.{cfg['module']}")
+    kernel = getattr(module, cfg["kernel"])
+    jit = kernel.fn if hasattr(kernel, "values") else kernel  # under a triton.heuristics wrapper, or not
+    vocab, dtype, flags = cfg["vocab"], cfg["dtype"], cfg["flags"]
+    if cfg["module"] == "triton_logits":
+        block_v, num_warps = module._block_config(vocab)
+    else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
+        block_v, num_warps = module._block_v(vocab), 4
+    # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the
+    # heuristics fall back to the reference H100/H200 figures).
+    probe = {
+        "x_ptr": torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]),
+        "V": vocab,
+        "BLOCK_V": block_v,
+        "num_warps": num_warps,
+        **flags,
+    }
+    constexprs = dict(flags, BLOCK_V=block_v)
+    options = {"num_warps": num_warps}
+    for name, heur in getattr(kernel, "values", {}).items():
+        if name == "maxnreg":
+            options["maxnreg"] = heur(probe)
+        elif name == "NUM_STAGES":
+            constexprs[name] = heur(probe)
+    for ptr, flag in OPTIONAL_PTRS:
+        if ptr in jit.arg_names and flag in flags and not flags[flag]:
+            constexprs[ptr] = None
+    signature, attrs = {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in LOGITS_DTYPE_PTRS:
+            signature[name] = f"*{dtype}"
+        elif name in ID_PTRS:
+            signature[name] = "*i64"
+        elif name in FP32_PTRS:
+            signature[name] = "*fp32"
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"  # N, T, V and the (unspecialized) strides
+        # What the launcher's specialization sees: 16-byte aligned tensors, V = 151936 etc. divisible by 16, the
+        # fused-linear tiles' row strides (multiples of 256 columns) too.
+        if signature[name].startswith("*") or (name == "V" and vocab % 16 == 0) or name in ("stride_z", "stride_dz"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG: make_cubin prints ptxas' -v log
+        compiled = triton.compile(
+            ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
+    key = compiled.hash
+    if key not in seen:  # the same specialization again (V is not a constexpr): a cache hit prints no log
+        seen[key] = ptxas_report(log.getvalue())
+    regs, spill_st, spill_ld = seen[key]
+    ptx = compiled.asm["ptx"]
+    loops = [loop_loads_in_flight(body) for body in innermost_loops(ptx)]
+    sass_loops = None
+    if sass:
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            dump = subprocess.run([str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True, text=True)
+            sass_loops = sass_tile_loops(dump.stdout)
+    threads = 32 * num_warps
+    return {
+        **cfg,
+        "triton": triton.__version__,
+        "ptxas": _ptxas_name(),
+        "block_v": block_v,
+        "num_warps": num_warps,
+        "num_stages": constexprs.get("NUM_STAGES", 1),
+        "maxnreg": options.get("maxnreg"),
+        "regs": regs,
+        "spill_stores": spill_st,
+        "spill_loads": spill_ld,
+        "smem": int(compiled.metadata.shared),
+        "vector_loads": bool(re.search(r"(ld\.global[^\n]*\.v[24]\.|cp\.async[^\n]*0x10)", ptx)),
+        "loops": [{**lp, "bytes_per_program": lp["bytes"] * threads} for lp in loops],
+        "sass_loops": sass_loops,
+    }
+
+
+def _main() -> None:
+    request = json.loads(sys.stdin.read())
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: every kernel is assembled here, with its log
+        os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+        os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"  # the launch default; silences Triton 3.9's notice about it
+        seen: dict = {}
+        rows = [_compile(cfg, seen, request["sass"]) for cfg in request["configs"]]
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    _main()
