@@ -1,7 +1,7 @@
 """fused_linear_log_softmax against the float64 oracle on logits = (hidden @ weight.T + bias) / τ: ℓ and H, and the
 gradients of hidden, weight and bias under random upstream gradients on ℓ and H together, for the torch tiles and
 the Triton folds (interpreted without a GPU); tied weights; no (B·T, V) tensor; 2 vocabulary-parallel gloo ranks and
-an FSDP2-sharded head."""
+an FSDP2-sharded head (and, in the same processes, grpo_loss(reduction="none") on vocabulary-sharded logits)."""
 
 import os
 import tempfile
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grpo_kernels import fused_linear_log_softmax
+from grpo_kernels import fused_linear_log_softmax, grpo_loss
 from grpo_kernels.ops import linear_torch, linear_triton
-from reference import reference_selective_log_softmax
+from reference import reference_grpo_loss, reference_selective_log_softmax
 
 from .conftest import HAS_TRITON_DEVICE
 from .test_fused_linear import assert_never_materializes_the_logits
@@ -164,6 +164,13 @@ def _rank(rank: int, world: int, store: str, results: str) -> None:
         torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
         sharded = (logp, entropy, x.grad, w.grad, b.grad)
 
+        # the per-token GRPO loss on this rank's logits shard (grpo_loss's vocabulary-parallel form)
+        shard = (hidden[:, 1 : T + 1] @ weight[block].T + bias[block]).requires_grad_(True)
+        out = grpo_loss(shard, ids, upstream[0, :, 0].float(), reduction="none", vocab_parallel_group=dist.group.WORLD,
+                        beta=0.1, ref_logp=logp.detach() - 0.2, top_entropy_quantile=0.5, temperature=TAU)  # fmt: skip
+        (out.loss * upstream[1].float()).sum().backward()
+        per_token = (out.loss, shard.grad)
+
         head = torch.nn.Linear(H, V)
         with torch.no_grad():
             head.weight.copy_(weight)
@@ -175,7 +182,7 @@ def _rank(rank: int, world: int, store: str, results: str) -> None:
         # each data rank's share of the mean: FSDP averages the two ranks' gradients
         torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
         fsdp = (x.grad, head.weight.grad.full_tensor(), head.bias.grad.full_tensor())
-        torch.save((sharded, fsdp), os.path.join(results, f"rank{rank}.pt"))
+        torch.save((sharded, fsdp, per_token), os.path.join(results, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -188,9 +195,15 @@ def test_vocab_parallel_and_fsdp2_equal_the_unsharded_oracle():
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     hidden, weight, bias, ids, upstream = make_inputs(seed=5)
     ref_logp, ref_entropy, (dx, dw, db) = oracle(hidden, weight, bias, ids, upstream)
-    for rank, (sharded, fsdp) in enumerate(per_rank):
+    logits = (hidden[:, 1 : T + 1].double() @ weight.double().T + bias.double()).requires_grad_(True)
+    ref = reference_grpo_loss(logits, ids, upstream[0, :, 0].float(), beta=0.1, ref_logp=ref_logp.float() - 0.2,
+                              top_entropy_quantile=0.5, temperature=TAU)  # fmt: skip
+    (ref.per_token_loss * upstream[1].float().double()).sum().backward()
+    for rank, (sharded, fsdp, (loss, grad)) in enumerate(per_rank):
         block = slice(0, 161) if rank == 0 else slice(161, V)
         logp, entropy, gx, gw, gb = sharded
         assert_matches((logp, entropy, [gx, gw, gb]), (ref_logp, ref_entropy, (dx, dw[block], db[block])))
         fx, fw, fb = fsdp
         assert_matches((logp, entropy, [fx, fw, fb]), (ref_logp, ref_entropy, (dx, dw, db)))
+        torch.testing.assert_close(loss.double(), ref.per_token_loss.detach(), rtol=1e-5, atol=1e-6)
+        assert (grad.double() - logits.grad[..., block]).abs().max() <= 1e-5 * logits.grad.abs().max()

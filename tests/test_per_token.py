@@ -172,7 +172,9 @@ def test_bad_reduction_and_second_backward():
     logits, ids, tensors, _ = make_problem()
     with pytest.raises(ValueError, match="reduction must be one of"):
         grpo_loss(logits[:, :T], ids, tensors["advantages"], reduction="mean")
+    module = GRPOLoss(reduction="none", loss_type="sapo")
     x = logits[:, :T].clone().requires_grad_(True)
+    assert module(x, ids, tensors["advantages"]).loss.shape == (B, T)
     out = grpo_loss(x, ids, tensors["advantages"], reduction="none")
     out.loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward called a second time"):
