@@ -148,7 +148,9 @@ class _PerTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):  # type: ignore[override]
         if getattr(ctx, "graph", None) is None:
-            raise RuntimeError("grpo_loss(reduction='none'): backward called a second time (retain_graph is not supported)")
+            raise RuntimeError(
+                "grpo_loss(reduction='none'): backward called a second time (retain_graph is not supported)"
+            )
         logits, ids, row_state = ctx.saved_tensors
         lp, per_token = ctx.graph
         ctx.graph = None

@@ -8,8 +8,8 @@ Pass 1 (`stats`): for each vocabulary tile, z = (x @ W_tileᵀ + b_tile) / τ in
 statistics (running max m, Σ e^{z−m}, Σ e^{z−m}·(z−m), the target's z) -> ℓ, H, lse.
 Pass 2 (`grads`), once g = ∂loss/∂ℓ and h = ∂loss/∂H are known per row: recompute each tile, form
 dz = (g·(onehot − p) − h·p·(z − Σp·z)) / τ and accumulate ∂x += dz @ W_tile, ∂W_tile = dzᵀ @ x, ∂b_tile = Σ_rows dz,
-all in fp32 (float64 for float64 hidden and weight). The vocabulary is the outer loop so that ∂W needs only a [V_tile, H] fp32 accumulator; ∂x needs
-a [B·T, H] one (the size of hidden itself). Rows with g = h = 0 (padding, zero advantages) are left out of pass 2.
+all in fp32 (float64 for float64 hidden and weight). The vocabulary is the outer loop so that ∂W needs only a
+[V_tile, H] fp32 accumulator; ∂x needs a [B·T, H] one (the size of hidden itself). Rows with g = h = 0 (padding, zero advantages) are left out of pass 2.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def row_grad(
 
 def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
     """[B, T, 5] float32 (float64 for float64 logits) per row of the shard: (raw max m, Σ e, Σ e·z', raw target
-    logit or −inf, Σ_{v≠y} e), e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays exact for peaked rows.
+    logit or −inf, Σ_{v≠y} e), e = exp(z'), z' = (x − m)/τ; the last sum leaves the target out, so 1 − p_y stays
+    exact for peaked rows.
     `ids` are global; the shard holds [offset, offset + V)."""
     batch, length, vocab = logits.shape
     dtype = stats_dtype(logits.dtype)
