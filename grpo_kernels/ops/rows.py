@@ -6,7 +6,8 @@ reader and to a type checker. The fused-linear backends (`ops/linear_torch.py`, 
 `LinearBackend`.
 
 Row state, [B, T, ROW_STATE_WIDTH] float32 (float64 for float64 logits, which only the torch rows take), contiguous,
-the same for every backend. Per row, with x the raw logits, m = max_v x_v, z'_v = (x_v − m)/τ (<= 0) and e_v = exp(z'_v):
+the same for every backend. Per row, with x the raw logits, m = max_v x_v, z'_v = (x_v − m)/τ (<= 0) and
+e_v = exp(z'_v):
     [..., 0]  m          the raw row maximum (not divided by τ)
     [..., 1]  s          log Σ_v e_v                      (so lse = m/τ + s, p_v = exp(z'_v − s), ℓ = z'_y − s)
     [..., 2]  q          1 − p_y = Σ_{v≠y} e_v / Σ_v e_v   (summed over the other tokens: exact for a peaked row)
