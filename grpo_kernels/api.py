@@ -122,8 +122,13 @@ def _backend(name: str, device: torch.device) -> ModuleType:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from .ops import torch_rows
+        from .ops import cpu_rows, torch_rows
 
+        if device.type != "cpu":
+            return torch_rows
+        if cpu_rows.available():
+            return cpu_rows  # the fused C rows; torch_rows when the extension is not built (one warning)
+        cpu_rows.warn_unavailable()
         return torch_rows
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

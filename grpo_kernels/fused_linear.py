@@ -64,9 +64,9 @@ def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
 
 def _linear_backend(name: str, device: torch.device) -> ModuleType:
     """The fused-linear twin of the logits backend `grpo_loss` would pick (same names, same device rules)."""
-    from .ops import torch_rows
+    from .ops import cpu_rows, torch_rows
 
-    if _backend(name, device) is torch_rows:
+    if _backend(name, device) in (torch_rows, cpu_rows):
         from .ops import linear_torch
 
         return linear_torch
