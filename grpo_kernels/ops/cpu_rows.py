@@ -33,7 +33,7 @@ else:
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
 # Below this many logits a call runs on the calling thread: waking the thread team costs more than it saves.
-PARALLEL_MIN_ELEMENTS = 1 << 15
+PARALLEL_MIN_ELEMENTS = 1 << 17
 _warned = False
 _forked = False
 

@@ -1,8 +1,9 @@
 """The fused-linear algorithm in vocabulary tiles of torch matmuls: ℓ, H and the gradients of hidden, weight and bias
 from `hidden @ weight.T + bias` without ever holding a (B·T, V) tensor.
 
-This is the CPU path (`stats`, `grads` with the torch folds below), and the tile driver that the CUDA path
-(`linear_triton`) runs with its Triton folds: only the per-tile element-wise work differs between the two.
+This is the CPU path (`stats`, `grads` with the C folds of ops/cpu_rows.py, or the torch folds below where that
+extension is not built), and the tile driver that the CUDA path (`linear_triton`) runs with its Triton folds: only
+the per-tile element-wise work differs between them.
 
 Pass 1 (`stats`): for each vocabulary tile, z = (x @ W_tileᵀ + b_tile) / τ in fp32, folded into per-row online
 statistics (running max m, Σ e^{z−m}, Σ e^{z−m}·(z−m), the target's z) -> ℓ, H, lse.
@@ -325,8 +326,10 @@ def stats(
     merge: MergeStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1 on the CPU: (logp, entropy, lse), each [B, T] float32."""
+    from .cpu_rows import fold_stats  # the C fold; fold_stats_torch where the extension is not built
+
     plan = plan_tiles(hidden.shape[0] * hidden.shape[1], weight.shape[0], TILE_ELEMENTS, MIN_VOCAB_TILE)
-    return run_stats(hidden, weight, bias, ids, temperature, fold_stats_torch, plan, merge)
+    return run_stats(hidden, weight, bias, ids, temperature, fold_stats, plan, merge)
 
 
 def grads(
@@ -343,6 +346,8 @@ def grads(
     reduce_dx: ReduceGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Pass 2 on the CPU, with dz kept in fp32 (the CPU matmuls are fp32 anyway)."""
+    from .cpu_rows import fold_grad  # the C fold, written over the logits tile; fold_grad_torch as the fallback
+
     return run_grads(
         hidden,
         weight,
@@ -354,7 +359,7 @@ def grads(
         h,
         temperature,
         needs,
-        fold_grad_torch,
+        fold_grad,
         torch.float32,
         TILE_ELEMENTS,
         MIN_VOCAB_TILE,

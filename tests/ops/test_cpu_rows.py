@@ -120,8 +120,9 @@ def test_extreme_and_non_finite_logits():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_in_place_gradient_and_thread_count_change_nothing(dtype):
-    x, ids, gen = _logits(4, 16, 700, dtype)  # 44800 logits: above PARALLEL_MIN_ELEMENTS, so threads split rows
+def test_in_place_gradient_and_thread_count_change_nothing(dtype, monkeypatch):
+    monkeypatch.setattr(cpu_rows, "PARALLEL_MIN_ELEMENTS", 0)  # small as it is, the batch is split over threads
+    x, ids, gen = _logits(4, 16, 700, dtype)
     adv = torch.randn(4, generator=gen)
     results = []
     threads = torch.get_num_threads()
