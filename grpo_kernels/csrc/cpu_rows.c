@@ -2,9 +2,9 @@
  *
  * Plain C on raw pointers, so that building it needs a C compiler and Python's headers only (no torch): the Python
  * side passes data pointers, sizes and strides of tensors it has validated. Rows are spread over OpenMP threads (the
- * count is passed in: torch.get_num_threads()); each row is vectorized along the vocabulary with `omp simd` and a
- * branch-free exp. On x86-64 the hot functions are compiled for AVX-512, AVX2+FMA and the baseline, picked at load
- * time (target_clones).
+ * count is passed in: torch.get_num_threads()); each row is vectorized along the vocabulary in 16-float vectors
+ * (GCC/clang vector extensions) with a branch-free exp. On x86-64 the hot functions are compiled for AVX-512,
+ * AVX2+FMA and the baseline, picked at load time (target_clones).
  *
  * Precision, as ops/torch_rows.py: every logit is taken relative to the row's raw maximum, z = (x − max)/τ; the
  * sums run over v != y so that 1 − p_y = Σ_{v≠y} e / Σ e has no cancellation; H = log Σe − Σ e·z / Σe. Sums are
@@ -28,7 +28,7 @@
 #define SUM_BLOCK 1024
 
 /* ------------------------------------------------------------------------------------------------------------ */
-/* Scalar helpers that vectorize inside `omp simd` loops */
+/* Scalar and vector helpers: the scalar ones serve the ragged ends of rows, with the same arithmetic */
 
 typedef union {
     float f;

@@ -3,6 +3,7 @@
  *   SFX             the suffix of the generated names
  *   LOAD(p, i)      element i of p as float
  *   STORE(p, i, v)  write float v to element i of p, rounded to nearest even
+ *   VLOAD(p), VSTORE(p, v)   the same for LANES consecutive elements (a vf)
  * Every function here handles rows [r0, r1) of a (B, T, V) tensor on the calling thread; cpu_rows.c spreads rows
  * over threads. A row is read once for its maximum and once for its sums (the second read comes from L2), and the
  * gradient pass reads it a third time while it is still in L2 when it follows the statistics (fused_rows). */

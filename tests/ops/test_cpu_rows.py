@@ -229,3 +229,20 @@ def test_a_process_without_the_extension_runs_the_chunked_rows():
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "1"
+
+
+def test_a_forked_child_runs_the_kernels_on_one_thread():
+    """GNU OpenMP's thread team does not survive fork(): a child that used it would hang; ours runs serially."""
+    script = (
+        "import os, torch; from grpo_kernels.ops import cpu_rows\n"
+        "x = torch.randn(1, 8, 40000); ids = torch.randint(0, 40000, (1, 8))\n"
+        "want = cpu_rows.row_stats(x, ids, 1.0)[0]\n"  # 320k logits: the parent uses the thread team
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if torch.equal(cpu_rows.row_stats(x, ids, 1.0)[0], want) else 3)\n"
+        "_, status = os.waitpid(pid, 0); print(os.waitstatus_to_exitcode(status))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "0"
