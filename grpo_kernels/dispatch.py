@@ -31,8 +31,13 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 def pick_backend(device: torch.device, name: str = "auto") -> RowBackend:
     """The logits-path row backend for tensors on `device`."""
     if resolve_backend_name(name, device) == "torch":
-        from .ops import torch_rows
+        from .ops import cpu_rows, torch_rows
 
+        if device.type != "cpu":
+            return torch_rows
+        if cpu_rows.available():
+            return cpu_rows  # the fused C rows; the chunked torch rows where the extension is not built
+        cpu_rows.warn_unavailable()
         return torch_rows
     from .ops import triton_logits
 
