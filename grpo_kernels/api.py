@@ -158,7 +158,8 @@ class _PerTokenLossFunction(torch.autograd.Function):
             (g,) = torch.autograd.grad(per_token, lp, grad_loss.to(per_token.dtype), allow_unused=True)
         else:  # e.g. every token masked: L is the constant 0
             g = None
-        g = torch.zeros_like(row_state[..., 0]) if g is None else g.to(row_state.dtype)
+        g = torch.zeros(ids.shape, dtype=row_state.dtype, device=ids.device) if g is None else g.to(row_state.dtype)
+        g = g.contiguous()
         out = logits if ctx.inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         ctx.backend.row_grad(logits, ids, row_state, g, None, ctx.cfg.temperature, out)
         return out, None, None, None, None, None, None

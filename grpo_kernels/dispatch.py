@@ -42,10 +42,16 @@ def _wants_torch(name: str, device: torch.device, dtype: torch.dtype | None, wha
 
 
 def pick_backend(device: torch.device, name: str = "auto", dtype: torch.dtype | None = None) -> RowBackend:
-    """The logits-path row backend for tensors on `device` of `dtype` (float64 -> the torch rows, in float64)."""
+    """The logits-path row backend for tensors on `device` of `dtype` (float64 -> the chunked torch rows, which
+    compute it in float64; the C rows are fp32)."""
     if _wants_torch(name, device, dtype, "logits"):
-        from .ops import torch_rows
+        from .ops import cpu_rows, torch_rows
 
+        if device.type != "cpu" or dtype == torch.float64:
+            return torch_rows
+        if cpu_rows.available():
+            return cpu_rows  # the fused C rows; the chunked torch rows where the extension is not built
+        cpu_rows.warn_unavailable()
         return torch_rows
     from .ops import triton_logits
 

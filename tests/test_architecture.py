@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import tomllib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_kernels"
+# Compiled submodules (no .py file): the C extensions pyproject.toml declares, e.g. grpo_kernels._cpu_rows
+EXTENSIONS = {
+    ext["name"]
+    for ext in tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"].get("ext-modules", [])
+}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -28,7 +34,11 @@ def imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
                 continue
             names = [a.name for a in node.names]
             # `from . import x` / `from .ops import torch_rows`: x may be a module itself
-            submodules = [n for n in names if (PACKAGE.parent / base.replace(".", "/") / f"{n}.py").exists()]
+            submodules = [
+                n
+                for n in names
+                if (PACKAGE.parent / base.replace(".", "/") / f"{n}.py").exists() or f"{base}.{n}" in EXTENSIONS
+            ]
             found += [(f"{base}.{n}", []) for n in submodules]
             others = [n for n in names if n not in submodules]
             if others:  # `from . import wire` alone takes nothing from the package's __init__

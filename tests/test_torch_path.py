@@ -1,4 +1,5 @@
-"""The chunked torch path (backend="torch") against the float64 oracle, over shapes, dtypes, masks and options."""
+"""The CPU path (backend="torch") against the float64 oracle, over shapes, dtypes, masks and options: every test runs
+on the fused C rows (ops/cpu_rows.py) and on the chunked torch rows they fall back to (ops/torch_rows.py)."""
 
 import math
 
@@ -7,12 +8,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from grpo_kernels import GRPOLoss, grpo_loss, selective_log_softmax
-from grpo_kernels.ops import torch_rows
+from grpo_kernels.ops import cpu_rows, torch_rows
 from reference import reference_selective_log_softmax
 
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
 
-pytestmark = pytest.mark.usefixtures("nan_empty")
+pytestmark = pytest.mark.usefixtures("nan_empty", "cpu_path")
+
+
+@pytest.fixture(autouse=True, params=["fused", "chunked"])
+def cpu_path(request, monkeypatch):
+    """Which rows backend="torch" runs on: the C extension, or the torch fallback (GRPO_KERNELS_CPU_ROWS=0)."""
+    if request.param == "fused" and not cpu_rows.available():
+        pytest.skip("the _cpu_rows extension is not built (pip install -e .)")
+    if request.param == "chunked":
+        monkeypatch.setenv("GRPO_KERNELS_CPU_ROWS", "0")
+    return request.param
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -30,7 +41,9 @@ def test_inplace_backward_matches_oracle(case):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases(max_vocab=300))
-def test_rows_split_across_chunks(case, monkeypatch):
+def test_rows_split_across_chunks(case, monkeypatch, cpu_path):
+    if cpu_path == "fused":
+        pytest.skip("chunks are the torch rows' own")
     monkeypatch.setattr(torch_rows, "CHUNK_ELEMENTS", 64)  # a few rows per chunk, and one row wider than a chunk
     check_case(case, backend="torch")
 

@@ -1,8 +1,9 @@
 """The fused-linear algorithm in vocabulary tiles of torch matmuls: ℓ, H and the gradients of hidden, weight and bias
 from `hidden @ weight.T + bias` without ever holding a (B·T, V) tensor.
 
-This is the CPU path (`stats`, `grads` with the torch folds below), and the tile driver that the CUDA path
-(`linear_triton`) runs with its Triton folds: only the per-tile element-wise work differs between the two.
+This is the CPU path (`stats`, `grads` with the C folds of ops/cpu_rows.py, or the torch folds below where that
+extension is not built), and the tile driver that the CUDA path (`linear_triton`) runs with its Triton folds: only
+the per-tile element-wise work differs between them.
 
 Pass 1 (`stats`): for each vocabulary tile, z = (x @ W_tileᵀ + b_tile) / τ in fp32, folded into per-row online
 statistics (running max m, Σ e^{z−m}, Σ e^{z−m}·(z−m), the target's z) -> ℓ, H, lse.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_rows
 from .rows import stats_dtype
 
 # Elements of one fp32 logits tile (rows x vocabulary). On a CPU, 2^20 (4 MiB) stays near the caches; the CUDA path
@@ -322,6 +324,28 @@ def _dense_grads(
 # The LinearBackend interface (ops/rows.py) used by fused_linear
 
 
+def _fold_stats_cpu(z: torch.Tensor, ids: torch.Tensor, v0: int, inv_t: float, st: RowStats) -> None:
+    """The C fold of ops/cpu_rows.py; the torch fold where the extension is not built or the tile does not fit it."""
+    if not cpu_rows.fold_stats(z, ids, v0, inv_t, st):
+        fold_stats_torch(z, ids, v0, inv_t, st)
+
+
+def _fold_grad_cpu(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    v0: int,
+    inv_t: float,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor | None,
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    grad_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The C fold (written over the logits tile); the torch fold where it does not apply."""
+    grad = cpu_rows.fold_grad(z, ids, v0, inv_t, lse, mean_z, g, h, grad_dtype)
+    return fold_grad_torch(z, ids, v0, inv_t, lse, mean_z, g, h, grad_dtype) if grad is None else grad
+
+
 def stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -332,7 +356,7 @@ def stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1 on the CPU: (logp, entropy, lse), each [B, T] float32."""
     plan = plan_tiles(hidden.shape[0] * hidden.shape[1], weight.shape[0], TILE_ELEMENTS, MIN_VOCAB_TILE)
-    return run_stats(hidden, weight, bias, ids, temperature, fold_stats_torch, plan, merge)
+    return run_stats(hidden, weight, bias, ids, temperature, _fold_stats_cpu, plan, merge)
 
 
 def grads(
@@ -360,7 +384,7 @@ def grads(
         h,
         temperature,
         needs,
-        fold_grad_torch,
+        _fold_grad_cpu,  # the C fold takes fp32 tiles; float64 ones go to the torch fold
         stats_dtype(hidden.dtype),
         TILE_ELEMENTS,
         MIN_VOCAB_TILE,

@@ -23,9 +23,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import LossConfig
+from ..config import CLIPPED_LOSS_TYPES, LossConfig
 
 ROW_STATE_WIDTH = 4
+# The per-token loss of the one-read fused passes (Triton and C kernels alike): 0 the clipped PPO form, 1 cispo, 2 sapo
+FUSED_LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
 SHARD_PARTIALS_WIDTH = 5  # (m, Σe, Σe·z', raw target logit or −inf, Σ_{v≠y} e) of one shard row: see shard_partials
 
 

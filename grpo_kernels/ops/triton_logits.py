@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import CLIPPED_LOSS_TYPES, LossConfig
-from .rows import ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
+from ..config import LossConfig
+from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
@@ -566,7 +566,6 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
 
 
-LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -705,7 +704,7 @@ def fused_token_grad(
         LOG2E / temperature, 1.0 / temperature,
         1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
         cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
-        LOSS=LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,
+        LOSS=FUSED_LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,
         BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     return logp, entropy
