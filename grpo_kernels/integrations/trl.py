@@ -9,6 +9,9 @@ what differs between releases); only `_compute_loss` changes. For code that buil
 With `use_fused_linear=True` the loss is computed by `fused_linear_grpo_loss` from the last hidden states and the
 lm_head weight instead: the model's forward runs as usual, but its lm_head is handed zero positions, so no logits
 are ever formed (`trl_fused_linear`).
+
+Over 400 lines: `_compute_loss` and the TRL internals it mirrors (the forward, the per-sequence clip metrics, the
+gathered logging) belong together; the per-release differences and the self-check live in modules of their own.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
 seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
 (with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
+Just over 400 lines: the three entry points share one run-and-watch loop, which reads best beside them.
 """
 
 from __future__ import annotations
