@@ -17,7 +17,7 @@ from .config import LossConfig, make_config
 from .dispatch import pick_backend
 from .distributed import check_group, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
-from .ops.rows import RowBackend
+from .ops.rows import RowBackend, exact_logp
 from .validation import check_ids, check_ids_range, check_logits, token_inputs
 from .vocab_parallel import ShardBackend, shard_offset
 
@@ -66,14 +66,18 @@ def forward_rows(
             cfg=cfg,
             out=out,
         )
-        with torch.no_grad():
+        with torch.no_grad():  # logp is float64 here (exact, see ops/rows.py)
             loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg, weights)
-        return loss, logp, entropy, metrics
+        return loss, logp.float(), entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
     logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
+    # ℓ in float64 from the row state and the gathered target logit (O(B·T)): exp(ℓ − ℓ_old) and the KL are then
+    # exact for any |ℓ|, not only to the fp32 rounding of ℓ.
+    logp64 = exact_logp(backend.target_logit(logits, ids), row_state, cfg.temperature, logp)
+    logp = logp64.float()
     with torch.enable_grad():
-        lp = logp.double().requires_grad_(out is not None)
+        lp = logp64.requires_grad_(out is not None)
         ent = entropy.double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
         loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
     if out is not None:

@@ -32,6 +32,14 @@ class TokenInputs:
     data_group: object = None  # the data-parallel process group the defaults span (None: this process alone)
 
 
+def absent(mask: torch.Tensor, x: torch.Tensor, fill) -> torch.Tensor:
+    """`x` where the token counts, `fill` where it is masked: a selection, never a product with the mask (0·NaN is
+    NaN). A per-sequence [B, 1] `x` keeps its value on rows with at least one active token."""
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return torch.where(mask.bool().any(-1, keepdim=True), x, fill)
+    return torch.where(mask.bool(), x, fill)
+
+
 def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Tensor:
     """max(N, 1) / P, N = num_items_in_batch (default: active tokens on all ranks), P = world size."""
     if cfg.num_items_in_batch is not None:
@@ -80,12 +88,15 @@ def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: floa
     return ((entropy * mask >= threshold) & active & (count > 0)).to(mask.dtype)
 
 
-def _gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, inp: TokenInputs, cfg: LossConfig) -> torch.Tensor:
-    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights)."""
+def _gamma_weights(
+    adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, rho: torch.Tensor | None, cfg: LossConfig
+) -> torch.Tensor:
+    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights). `log_ratio` is 0 and a [B, T] ρ is 1
+    at masked tokens (TRL sums log ρ over every position, ours only counts the active ones)."""
     lower = math.log(1e-8)
-    seq = (log_ratio.clamp(-20.0, 20.0) * inp.mask).sum(-1, keepdim=True)
-    if inp.is_ratio is not None:
-        seq = seq + inp.is_ratio.log().clamp(lower, 20.0).sum(-1, keepdim=True)
+    seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if rho is not None:
+        seq = seq + rho.log().clamp(lower, 20.0).sum(-1, keepdim=True)
     log_w = seq.clamp(lower, 20.0)
     nonneg = adv >= 0
     k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
@@ -105,8 +116,15 @@ def grpo_objective(
     `logp`, `entropy`: [B, T] float64. `weights`: `aggregation_weights(inp.mask, cfg, inp.data_group)` when the
     caller has it already (None: computed here). Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line.
     """
-    mask, adv = inp.mask, inp.advantages
-    old = logp.detach() if inp.old_logp is None else inp.old_logp
+    mask = inp.mask
+    # Masked means absent: whatever a masked position holds (NaN, ±inf, a −1e4 sentinel, in ℓ, H or any input),
+    # it is selected away here, before any arithmetic, so it reaches neither the loss, the gradient nor a metric.
+    # The metrics keep the raw A: they only compare its sign (never NaN), and TRL's per-sequence metric means count
+    # fully masked rows too (at sequence level), with their A.
+    adv_raw = inp.advantages
+    adv, logp, entropy = absent(mask, adv_raw, 0.0), absent(mask, logp, 0.0), absent(mask, entropy, 0.0)
+    rho = None if inp.is_ratio is None else absent(mask, inp.is_ratio, 1.0)
+    old = logp.detach() if inp.old_logp is None else absent(mask, inp.old_logp, logp.detach())
     log_ratio = logp - old
     if cfg.importance_sampling_level == "token":
         log_w = log_ratio
@@ -115,7 +133,8 @@ def grpo_objective(
     ratio = torch.exp(log_w)
 
     if cfg.beta != 0.0:
-        kl = torch.exp(inp.ref_logp - logp) - (inp.ref_logp - logp) - 1
+        ref = absent(mask, inp.ref_logp, logp.detach())  # kl = 0 at a masked token
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
         if cfg.use_bias_correction_kl:
             kl = kl * ratio
 
@@ -131,11 +150,14 @@ def grpo_objective(
         per_token = -torch.sigmoid(temps * (ratio - 1)) * 4 / temps * adv
     else:  # vespo
         with torch.no_grad():
-            phi = _gamma_weights(adv, log_ratio.detach(), inp, cfg)
-        per_token = -phi * adv * logp
+            # A [B, 1] ρ stays raw there (φ is finite whatever it holds; a fully masked row's φ only enters the
+            # φ metric, which TRL averages over every row)
+            per_seq = inp.is_ratio is not None and inp.is_ratio.shape[-1] == 1
+            phi = _gamma_weights(adv_raw, log_ratio.detach(), mask, inp.is_ratio if per_seq else rho, cfg)
+        per_token = -absent(mask, phi, 0.0) * adv * logp
 
     if cfg.off_policy_mask_threshold is not None:
-        sampling = old if inp.sampling_logp is None else inp.sampling_logp
+        sampling = old if inp.sampling_logp is None else absent(mask, inp.sampling_logp, logp.detach())
         seq_kl = ((sampling - logp.detach()).nan_to_num(nan=0.0) * mask).sum(-1, keepdim=True)
         seq_kl = seq_kl / mask.sum(-1, keepdim=True).clamp(min=1.0)
         per_token = per_token * ((adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(mask.dtype)
@@ -145,8 +167,8 @@ def grpo_objective(
         entropy_mask = _high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile, inp.data_group)
         per_token = per_token * entropy_mask
 
-    if inp.is_ratio is not None and cfg.loss_type != "vespo":
-        per_token = per_token * inp.is_ratio
+    if rho is not None and cfg.loss_type != "vespo":
+        per_token = per_token * rho
     if cfg.beta != 0.0:
         per_token = per_token + cfg.beta * kl
 
@@ -160,19 +182,22 @@ def grpo_objective(
 
     with torch.no_grad():
         kl_value = kl.detach() if cfg.beta != 0.0 else None
-        metrics = _metrics(entropy.detach(), kl_value, ratio.detach(), adv, mask, cfg, inp.data_group)
+        metrics = _metrics(entropy.detach(), kl_value, ratio.detach(), adv_raw, mask, cfg, inp.data_group)
         if cfg.loss_type == "vespo":
-            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask, inp.data_group))
+            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask, inp.data_group, ("vespo/phi_seq_mean",)))
         if cfg.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics
 
 
-def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
-    """Token-weighted means over all ranks in one all-reduce; [B, 1] values average over sequences (as TRL)."""
+def _global_means(
+    values: dict[str, torch.Tensor], mask: torch.Tensor, group=None, per_sequence: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Token-weighted means over all ranks in one all-reduce; the values named in `per_sequence` ([B, 1]) average
+    over sequences, every row counted (as TRL)."""
     sums = []
-    for x in values.values():
-        if x.shape[-1] == 1:
+    for name, x in values.items():
+        if name in per_sequence:
             sums += [x.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)]
         else:
             sums += [(x * mask).sum(), mask.sum()]
@@ -201,4 +226,6 @@ def _metrics(
         values["clip_ratio/region_mean"] = torch.maximum(low, high)
     elif cfg.loss_type == "cispo":
         values["cispo_clip_ratio"] = ((ratio > cfg.epsilon_high) & (adv > 0)).double()
-    return _global_means(values, mask, group)
+    per_sequence = tuple(values) if cfg.importance_sampling_level == "sequence" else ()
+    per_sequence = tuple(name for name in per_sequence if name not in ("kl", "entropy"))
+    return _global_means(values, mask, group, per_sequence)

@@ -30,7 +30,7 @@ VOCABS = (
     151936,  # (8192, 16): Qwen2.5/3, 19 tiles
 )
 DTYPES = ("fp32", "bf16", "fp16")
-FLOAT_ARGS = ("k2", "inv_tau", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg")
+FLOAT_ARGS = ("k2", "inv_tau", "inv_tau_lo", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg")
 OPTIONAL_PTRS = {
     "h_ptr": "HAS_ENT",
     "hw_ptr": "HAS_ENT",
@@ -135,6 +135,8 @@ def _compile_all() -> list[dict]:
                 signature[name] = f"*{dtype}"
             elif name == "y_ptr":
                 signature[name] = "*i64"
+            elif name == "logp_ptr" and kernel_name == "fused_token_grad_fwd_kernel":
+                signature[name] = "*fp64"  # the fused pass stores ℓ in float64
             elif name in FP32_PTRS:
                 signature[name] = "*fp32"
             elif name in FLOAT_ARGS:
