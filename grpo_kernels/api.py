@@ -18,7 +18,7 @@ from .dispatch import pick_backend
 from .distributed import check_group, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective
 from .ops.rows import RowBackend, exact_logp
-from .validation import check_ids, check_ids_range, check_logits, token_inputs
+from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs
 from .vocab_parallel import ShardBackend, shard_offset
 
 
@@ -243,7 +243,10 @@ def grpo_loss(
     )  # fmt: skip
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
-    check_ids_range(ids, vocab)  # the full vocabulary when the logits are a shard
+    check_values(  # one host sync: ids against the full vocabulary (when the logits are a shard), mask, ρ, ...
+        ids, vocab, inp, check_inputs=cfg.check_inputs, beta=cfg.beta, logits=logits,
+        logits_are_shard=vocab_parallel_group is not None,
+    )  # fmt: skip
     weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _GRPOLossFunction.apply(logits, ids, cfg, rows, inp, weights, inplace_backward, metrics)

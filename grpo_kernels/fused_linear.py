@@ -17,7 +17,7 @@ from .dispatch import pick_linear_backend
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, grpo_objective
 from .ops.rows import LinearBackend
-from .validation import check_ids, check_ids_range, check_rows_tensor, token_inputs
+from .validation import check_ids, check_rows_tensor, check_values, token_inputs
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -169,12 +169,12 @@ def fused_linear_grpo_loss(
         offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
         rows = LinearShard(rows, vocab_parallel_group, offset)
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
-    check_ids_range(ids, vocab)
     inp: TokenInputs = token_inputs(
         batch, length, hidden.device,
         advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
     )  # fmt: skip
+    check_values(ids, vocab, inp, check_inputs=cfg.check_inputs, beta=cfg.beta)  # one host sync
     weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, weights, ids, metrics)

@@ -91,8 +91,8 @@ def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: floa
 def _gamma_weights(
     adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, rho: torch.Tensor | None, cfg: LossConfig
 ) -> torch.Tensor:
-    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights). `log_ratio` is 0 and a [B, T] ρ is 1
-    at masked tokens (TRL sums log ρ over every position, ours only counts the active ones)."""
+    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights). `log_ratio` is 0 and ρ is 1 at masked
+    tokens (TRL sums log ρ over every position, padded ones included; here they add log 1 = 0)."""
     lower = math.log(1e-8)
     seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
     if rho is not None:
@@ -150,10 +150,7 @@ def grpo_objective(
         per_token = -torch.sigmoid(temps * (ratio - 1)) * 4 / temps * adv
     else:  # vespo
         with torch.no_grad():
-            # A [B, 1] ρ stays raw there (φ is finite whatever it holds; a fully masked row's φ only enters the
-            # φ metric, which TRL averages over every row)
-            per_seq = inp.is_ratio is not None and inp.is_ratio.shape[-1] == 1
-            phi = _gamma_weights(adv_raw, log_ratio.detach(), mask, inp.is_ratio if per_seq else rho, cfg)
+            phi = _gamma_weights(adv_raw, log_ratio.detach(), mask, rho, cfg)
         per_token = -absent(mask, phi, 0.0) * adv * logp
 
     if cfg.off_policy_mask_threshold is not None:
@@ -184,7 +181,9 @@ def grpo_objective(
         kl_value = kl.detach() if cfg.beta != 0.0 else None
         metrics = _metrics(entropy.detach(), kl_value, ratio.detach(), adv_raw, mask, cfg, inp.data_group)
         if cfg.loss_type == "vespo":
-            metrics.update(_global_means({"vespo/phi_seq_mean": phi}, mask, inp.data_group, ("vespo/phi_seq_mean",)))
+            phi_metric = {"vespo/phi_seq_mean": phi}
+            per_seq = _per_sequence(phi_metric, mask, True)
+            metrics.update(_global_means(phi_metric, mask, inp.data_group, per_seq))
         if cfg.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics
@@ -226,6 +225,12 @@ def _metrics(
         values["clip_ratio/region_mean"] = torch.maximum(low, high)
     elif cfg.loss_type == "cispo":
         values["cispo_clip_ratio"] = ((ratio > cfg.epsilon_high) & (adv > 0)).double()
-    per_sequence = tuple(values) if cfg.importance_sampling_level == "sequence" else ()
-    per_sequence = tuple(name for name in per_sequence if name not in ("kl", "entropy"))
-    return _global_means(values, mask, group, per_sequence)
+    return _global_means(values, mask, group, _per_sequence(values, mask, cfg.importance_sampling_level == "sequence"))
+
+
+def _per_sequence(values: dict[str, torch.Tensor], mask: torch.Tensor, sequence_level: bool) -> tuple[str, ...]:
+    """The metric values that are one per sequence ([B, 1] while T > 1; at T = 1, the ratio's when it is
+    sequence-level), which TRL averages over every row; the others are token means over active tokens."""
+    if mask.shape[-1] > 1:
+        return tuple(name for name, x in values.items() if x.shape[-1] == 1)
+    return tuple(name for name in values if sequence_level and name not in ("kl", "entropy"))

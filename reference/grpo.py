@@ -34,9 +34,11 @@ Where docs/loss.md and TRL 1.16 (`trl/trainer/grpo_trainer.py`) disagree, this f
    so with world_size > 1 pass `num_items_in_batch` (as TRL always does).
 10. Masked means absent (stricter than TRL, as the spec demands): a token with m = 0 contributes nothing whatever
    its logits, ℓ_old, ℓ_ref, ℓ_s, A or ρ hold (NaN, ±inf, −1e4 sentinels). Its values are replaced, before any use,
-   by neutral ones: ℓ_old = ℓ_ref = ℓ_s = sg(ℓ) (ratio 1, KL 0), A = 0, ρ = 1, ℓ = H = 0. TRL gives NaN there
-   (0 · NaN), and sums vespo's log ρ over padded positions too (disagreement 5): on ordinary padding (finite values,
-   ρ = 1 at padded positions) both agree.
+   by neutral ones: ℓ_old = ℓ_ref = ℓ_s = sg(ℓ) (ratio 1, KL 0), A = 0, ρ = 1 (a per-sequence ρ on a fully masked
+   row too), ℓ = H = 0. TRL gives NaN there (0 · NaN), sums vespo's log ρ over padded positions too (disagreement
+   5), and at T = 1 averages its metrics over masked tokens too (3b): on ordinary padding (finite values, ρ = 1
+   where nothing was sampled) the loss and gradient agree, and the metrics wherever T > 1. The metrics read the raw
+   A, only through its sign: TRL's per-sequence metric means (3a) count a fully masked row with its A.
 """
 
 from __future__ import annotations
@@ -204,11 +206,10 @@ def reference_grpo_loss(
     adv = _absent(mask, adv_raw, 0.0)
     old = logp.detach() if old_logp is None else _absent(mask, old_logp.detach().double(), logp.detach())
     sampling = old if sampling_logp is None else _absent(mask, sampling_logp.detach().double(), logp.detach())
-    rho = rho_raw = None
+    rho = None
     if importance_sampling_ratio is not None:
-        rho_raw = importance_sampling_ratio.detach().double()
-        rho_raw = rho_raw.unsqueeze(1) if rho_raw.dim() == 1 else rho_raw  # (B, 1) or (B, T)
-        rho = _absent(mask, rho_raw, 1.0)
+        rho = importance_sampling_ratio.detach().double()
+        rho = _absent(mask, rho.unsqueeze(1) if rho.dim() == 1 else rho, 1.0)  # (B, 1) or (B, T)
 
     # ---- Entropy mask (step 2 of the spec, computed first as TRL does; H is no-grad here).
     entropy_mask = None
@@ -252,11 +253,9 @@ def reference_grpo_loss(
         tau = torch.where(adv > 0, _as_float32(sapo_temperature_pos), _as_float32(sapo_temperature_neg))
         per_token_loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv
     else:  # vespo
-        # φ reads the raw A and a raw (B, 1) ρ: φ is finite whatever they hold, and only the φ metric (TRL's mean
-        # over every row, disagreement 3) sees a fully masked row's φ.
+        # φ reads the raw A (its sign only: a fully masked row's φ enters the φ metric, TRL's mean over every row)
         phi = _vespo_phi(
-            adv_raw, log_ratio.detach(), mask, rho_raw if rho_raw is not None and rho_raw.shape[-1] == 1 else rho,
-            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+            adv_raw, log_ratio.detach(), mask, rho, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
         )
         per_token_loss = -_absent(mask, phi, 0.0) * adv * logp
 
@@ -302,17 +301,19 @@ def reference_grpo_loss(
             is_low = ((ratio < 1 - epsilon_low) & (adv_raw < 0)).float()
             is_high = ((ratio > 1 + epsilon_high) & (adv_raw > 0)).float()
             is_region = ((is_low > 0) | (is_high > 0)).float()
-            per_seq = importance_sampling_level == "sequence"
+            per_seq = importance_sampling_level == "sequence" if length == 1 else None  # None: by shape
+            one_per_seq = is_low.shape[1] == 1 if per_seq is None else per_seq
             metrics["clip_ratio/low_mean"] = _trl_global_masked_mean(is_low, mask, per_seq)
             metrics["clip_ratio/high_mean"] = _trl_global_masked_mean(is_high, mask, per_seq)
             metrics["clip_ratio/region_mean"] = _trl_global_masked_mean(is_region, mask, per_seq)
-            metrics["clip_ratio/low_min"] = _nan_ignoring(torch.min, _trl_masked_seq_mean(is_low, mask, per_seq))
-            metrics["clip_ratio/high_max"] = _nan_ignoring(torch.max, _trl_masked_seq_mean(is_high, mask, per_seq))
+            metrics["clip_ratio/low_min"] = _nan_ignoring(torch.min, _trl_masked_seq_mean(is_low, mask, one_per_seq))
+            metrics["clip_ratio/high_max"] = _nan_ignoring(torch.max, _trl_masked_seq_mean(is_high, mask, one_per_seq))
         elif loss_type == "cispo":
             is_capped = ((ratio > epsilon_high) & (adv_raw > 0)).float()
-            metrics["cispo_clip_ratio"] = _trl_global_masked_mean(is_capped, mask, importance_sampling_level == "sequence")
+            per_seq = importance_sampling_level == "sequence" if length == 1 else None
+            metrics["cispo_clip_ratio"] = _trl_global_masked_mean(is_capped, mask, per_seq)
         elif loss_type == "vespo":
-            metrics["vespo/phi_seq_mean"] = _trl_global_masked_mean(phi, mask, True)
+            metrics["vespo/phi_seq_mean"] = _trl_global_masked_mean(phi, mask, True if length == 1 else None)
 
     return ReferenceOutput(loss=loss, logp=logp_all, entropy=entropy_all, metrics=metrics)
 

@@ -10,7 +10,15 @@ from grpo_kernels import GRPOLoss, grpo_loss, selective_log_softmax
 from grpo_kernels.ops import torch_rows
 from reference import reference_selective_log_softmax
 
-from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
+from .oracle_check import (
+    TOLERANCES,
+    assert_close,
+    assert_grad_close,
+    cases,
+    check_case,
+    check_masked_inputs_are_absent,
+    masked_sentinel_cases,
+)
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -33,6 +41,15 @@ def test_inplace_backward_matches_oracle(case):
 def test_rows_split_across_chunks(case, monkeypatch):
     monkeypatch.setattr(torch_rows, "CHUNK_ELEMENTS", 64)  # a few rows per chunk, and one row wider than a chunk
     check_case(case, backend="torch")
+
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pair=masked_sentinel_cases())
+def test_masked_inputs_are_absent(pair):
+    """NaN, ±inf and −1e4 at masked positions (logits rows, ℓ_old, ℓ_ref, ℓ_s, ρ, A), every loss type and option:
+    loss, gradient and metrics are those of the same batch with finite values there."""
+    check_masked_inputs_are_absent(*pair, backend="torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -10,7 +10,15 @@ from grpo_kernels import grpo_loss, selective_log_softmax
 from reference import reference_selective_log_softmax
 
 from .conftest import HAS_TRITON_DEVICE
-from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
+from .oracle_check import (
+    TOLERANCES,
+    assert_close,
+    assert_grad_close,
+    cases,
+    check_case,
+    check_masked_inputs_are_absent,
+    masked_sentinel_cases,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("nan_empty"),
@@ -35,6 +43,15 @@ def test_every_option_matches_oracle(case):
 @given(case=cases())
 def test_inplace_backward_matches_oracle(case):
     check_case(case, backend="triton", inplace=True)
+
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pair=masked_sentinel_cases())
+def test_masked_inputs_are_absent(pair):
+    """NaN, ±inf and −1e4 at masked positions (logits rows, ℓ_old, ℓ_ref, ℓ_s, ρ, A), every loss type and option:
+    loss, gradient and metrics are those of the same batch with finite values there."""
+    check_masked_inputs_are_absent(*pair, backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
