@@ -87,30 +87,27 @@ def _row_grad_store(
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile. Each tile is read before it is
     written, so `p_o` may point at the logits themselves. A row with g = h = 0 (a masked token) is stored as zeros
-    without reading the logits, so a NaN row stays out of the gradient (the RowBackend contract)."""
+    without reading its logits, so a NaN row stays out of the gradient (the RowBackend contract)."""
     o_b = tl.arange(0, BLOCK_V)
-    b_absent = b_g == 0.0
+    b_live = b_g != 0.0
     if HAS_ENT:
-        b_absent = b_absent & (b_h == 0.0)
-    if b_absent:
-        for v0 in range(0, V, BLOCK_V):
-            o_v = v0 + o_b
-            tl.store(p_o + o_v, tl.zeros([BLOCK_V], dtype=p_o.dtype.element_ty), mask=o_v < V)
-    else:
-        b_hl = b_h * LN2  # h·(z' − c) = h·ln2·(z2 − c2)
-        for v0 in range(0, V, BLOCK_V):
-            o_v = v0 + o_b
-            m_v = o_v < V
-            b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
-            b_z = (b_x - b_mx) * k2  # [BLOCK_V], as in pass 1
-            b_p = tl.exp2(b_z - b_log2s)
-            if HAS_ENT:
-                # Where p == 0 (−inf padding) the centered term is p·(z' − c) = 0, not 0·(−inf); a NaN p stays NaN.
-                b_cz = b_hl * (tl.where(b_p > 0, b_z, b_c2) - b_c2)
-                b_d = tl.where(o_v == y, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
-            else:
-                b_d = tl.where(o_v == y, b_g * b_q, -b_g * b_p)
-            tl.store(p_o + o_v, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
+        b_live = b_live | (b_h != 0.0)
+    b_hl = b_h * LN2  # h·(z' − c) = h·ln2·(z2 − c2)
+    V_read = tl.where(b_live, V, 0)  # a row with g = h = 0 is not read (its loads are masked off), stored as zeros
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + o_b
+        m_v = o_v < V
+        b_x = tl.load(p_x + o_v, mask=o_v < V_read, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+        b_z = (b_x - b_mx) * k2  # [BLOCK_V], as in pass 1
+        b_p = tl.exp2(b_z - b_log2s)
+        if HAS_ENT:
+            # Where p == 0 (−inf padding) the centered term is p·(z' − c) = 0, not 0·(−inf); a NaN p stays NaN.
+            b_cz = b_hl * (tl.where(b_p > 0, b_z, b_c2) - b_c2)
+            b_d = tl.where(o_v == y, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
+        else:
+            b_d = tl.where(o_v == y, b_g * b_q, -b_g * b_p)
+        b_d = tl.where(b_live, b_d, 0.0)
+        tl.store(p_o + o_v, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
 
 
 @triton.jit

@@ -84,6 +84,7 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = _help("mask negative-advantage sequences this far off-policy", None)
     top_entropy_quantile: float = _help("train only on the top-q entropy tokens", 1.0)
     entropy_coef: float = _help("entropy bonus coefficient", 0.0)
+    check_inputs: bool = _help("raise on NaN/inf at unmasked tokens (logits included: one more pass over them)", False)
     backend: str = _help('loss backend: "auto", "triton" or "torch"', "auto")
 
     # runtime

@@ -97,7 +97,7 @@ def exact_grad(graph, g: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
 def exact_loss_grad(x, ids, cfg: LossConfig, inputs: dict, old, ref) -> torch.Tensor:
     """∂loss/∂logits of the oracle's GRPO loss on the fused kernel's inputs, float64."""
     leaf = x.detach().double().requires_grad_(True)
-    options = {f.name: getattr(cfg, f.name) for f in fields(LossConfig)}
+    options = {f.name: getattr(cfg, f.name) for f in fields(LossConfig) if f.name != "check_inputs"}
     out = reference_grpo_loss(
         leaf, ids, inputs["advantages"], inputs["mask"], old, ref, importance_sampling_ratio=inputs["is_ratio"],
         **options,
