@@ -11,10 +11,20 @@ import sys
 from dataclasses import fields, replace
 from typing import Any
 
-from .trainer.config import TrainConfig
+from .config import LossConfig
+from .trainer.config import DATA_FORMATS, LOSS_HELP, TRAINER_LOSS_DEFAULTS, TrainConfig, loss_options
 from .trainer.demo import DemoConfig, default_grpo_config, run_demo
 
 _TYPES = {"int": int, "float": float, "str": str}
+TRAIN_EPILOG = f"""datasets: --dataset takes {DATA_FORMATS}.
+  Each row holds a prompt (--prompt-column) and what the rewards need: the gold answer (--answer-column) for
+  accuracy, the test code (--tests-column) for code; other columns reach the reward functions as keyword arguments.
+
+rewards of your own: --reward-funcs myrewards:digit_reward,format calls digit_reward from ./myrewards.py (the
+  current folder comes first), as digit_reward(completions, **columns) -> list[float | None].
+
+runs: a folder that already holds a run is refused unless --resume (continue from its newest complete checkpoint)
+  or --overwrite (replace it). Ctrl-C stops after the step in progress and saves a checkpoint of it."""
 
 
 def _optional(convert: Any) -> Any:
@@ -25,25 +35,43 @@ def _optional(convert: Any) -> Any:
     return parse
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
-    """One flag per dataclass field, typed from its annotation, with the field's help text and default."""
-    for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type).replace(" ", "")
-        help_text = f"{f.metadata['help']} (default: {f.default})"
-        if kind == "bool":  # --x / --no-x
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+def _add_flag(parser: argparse.ArgumentParser, name: str, kind: str, default: Any, help_text: str) -> None:
+    """`--name-with-dashes`, typed from the annotation `kind` ("int", "float | None", "bool", ...)."""
+    flag = "--" + name.replace("_", "-")
+    kind = kind.replace(" ", "")
+    help_text = f"{help_text} (default: {default})"
+    if kind == "bool":  # --x / --no-x
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        return
+    base = kind.removesuffix("|None")
+    convert = _TYPES[base] if base == kind else _optional(_TYPES[base])
+    parser.add_argument(flag, dest=name, type=convert, default=default, metavar=base.upper(), help=help_text)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `TrainConfig` field, and in place of its `loss` one flag per option of `LossConfig`, typed from
+    the annotations, with their help texts and the trainer's defaults."""
+    loss_fields = {f.name: f for f in fields(LossConfig)}
+    for f in fields(TrainConfig):
+        if f.name != "loss":
+            _add_flag(parser, f.name, str(f.type), f.default, f.metadata["help"])
             continue
-        base = kind.removesuffix("|None")
-        convert = _TYPES[base] if base == kind else _optional(_TYPES[base])
-        parser.add_argument(flag, dest=f.name, type=convert, default=f.default, metavar=base.upper(), help=help_text)
+        for name in loss_options():
+            lf = loss_fields[name]
+            default = TRAINER_LOSS_DEFAULTS.get(name, lf.default)
+            _add_flag(parser, name, str(lf.type), default, LOSS_HELP.get(name, "an option of grpo_loss"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-kernels", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="GRPO with LoRA on a model folder or hub id and a dataset")
+    train = sub.add_parser(
+        "train",
+        help="GRPO with LoRA on a model folder or hub id and a dataset",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=TRAIN_EPILOG,
+    )
     add_config_arguments(train)
 
     demo = sub.add_parser(
@@ -60,25 +88,40 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .trainer.data import LoadError
+    from .trainer.rundir import StorageError
 
     try:
         if args.command == "train":
             return _train(args)
         return _demo(args)
-    except (ValueError, FileNotFoundError, LoadError) as err:
+    except (ValueError, FileNotFoundError, LoadError, StorageError) as err:
         print(f"grpo-kernels {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step
+        print(f"grpo-kernels {args.command}: interrupted; {_last_checkpoint(args)}", file=sys.stderr)
+        return 130
+
+
+def _last_checkpoint(args: argparse.Namespace) -> str:
+    from .trainer.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(args.output_dir) if args.command == "train" else None
+    return f"last checkpoint: {found} (continue with --resume)" if found else "no checkpoint was written"
 
 
 def _train(args: argparse.Namespace) -> int:
     from .trainer import train
 
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    cfg = TrainConfig.from_flat({k: v for k, v in vars(args).items() if k != "command"})
     if not cfg.model or not cfg.dataset:
         raise ValueError("train needs --model (a folder or hub id) and --dataset (a file or hub dataset name)")
     result = train(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports for all
         return 0
+    if result.interrupted:
+        step = result.records[-1]["step"] if result.records else 0
+        print(f"interrupted after step {step} of {cfg.max_steps}; {_last_checkpoint(args)}", file=sys.stderr)
+        return 130
     last = result.records[-1] if result.records else {}
     print(f"trained {len(result.records)} steps; last reward {last.get('reward', float('nan')):.3f}")
     print(f"adapter: {result.adapter_dir}")

@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Any
@@ -194,41 +195,100 @@ def extract_code(text: str, answer_tags: tuple[str, str] = ANSWER_TAGS) -> str |
     return answers[-1].strip("\n") if answers else None
 
 
+TestCases = Sequence[Mapping[str, str]]  # the stdin/stdout form: [{"input": ..., "output": ...}, ...]
+
+
 def code_reward(
     completions: Sequence[Any],
-    tests: Sequence[str | None] | None = None,
+    tests: Sequence[str | TestCases | None] | None = None,
     *,
+    test_cases: Sequence[TestCases | None] | None = None,
     timeout: float = 5.0,
+    time_limit: float | None = None,
     memory_mb: int = 512,
+    all_or_nothing: bool = False,
     max_workers: int | None = None,
     **columns: Any,
 ) -> list[float | None]:
-    """1.0 when the completion's code followed by `tests` (Python source, e.g. asserts) exits cleanly in the sandbox
-    (`grpo_kernels.sandbox`: time and memory limits, no network, a throw-away folder, a clean environment);
-    0.0 otherwise, None where a sample has no tests."""
-    from .sandbox import SandboxLimits, run_tests
+    """Run each completion's code (`extract_code`) in the sandbox (`grpo_kernels.sandbox`) and score it by its tests.
 
-    if tests is None:
+    A row of `tests` is either Python source (asserts, or HumanEval's `check(candidate)`): they run in a trusted
+    judge process that calls the solution's top-level names through proxies, plain data each way; 1.0 when they run
+    to their end, else 0.0. Or it is a list of stdin/stdout cases `[{"input": ..., "output": ...}]` (the form of
+    APPS, CodeContests and open-r1's verifiable-coding-problems; also accepted as `test_cases`, or inside an open-r1
+    `verification_info` column): the program runs once per case with `time_limit` seconds (else `timeout`) and its
+    output is compared here, whitespace-normalized; the reward is the fraction of cases passed, or 1.0/0.0 with
+    `all_or_nothing`. None where a sample has no tests. Nothing the code prints, exits with or patches decides.
+    """
+    from .sandbox import SandboxLimits, run_stdio, run_tests
+
+    rows = _test_rows(len(completions), tests, test_cases, columns.get("verification_info"))
+    if rows is None:
         return [None] * len(completions)
-    if len(tests) != len(completions):
-        raise ValueError(f"tests must have one entry per completion ({len(completions)}), got {len(tests)}")
+    if timeout <= 0 or (time_limit is not None and time_limit <= 0):
+        raise ValueError(f"timeout and time_limit must be positive, got {timeout} and {time_limit}")
     limits = SandboxLimits(timeout=timeout, cpu_seconds=max(1, math.ceil(timeout)), memory_mb=memory_mb)
 
-    def score(item: tuple[Any, str | None]) -> float | None:
-        completion, test_src = item
-        if not test_src:
+    def score(item: tuple[Any, str | list[tuple[str, str]] | None]) -> float | None:
+        completion, row = item
+        if not row:
             return None
         code = extract_code(completion_text(completion))
         if code is None:
             return 0.0
-        return 1.0 if run_tests(code, test_src, limits=limits).passed else 0.0
+        if isinstance(row, str):
+            return 1.0 if run_tests(code, row, limits=limits).passed else 0.0
+        verdicts = run_stdio(code, row, limits=limits, time_limit=time_limit, stop_at_first_failure=all_or_nothing)
+        return float(all(verdicts)) if all_or_nothing else sum(verdicts) / len(verdicts)
 
-    items = list(zip(completions, tests))
+    items = list(zip(completions, rows))
     workers = max_workers or min(8, len(items), (os.cpu_count() or 1) * 2)
     if workers <= 1:
         return [score(it) for it in items]
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # each worker mostly waits on its subprocess
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each worker mostly waits on its subprocesses
         return list(pool.map(score, items))
+
+
+def _test_rows(
+    n: int, tests: Sequence[Any] | None, test_cases: Sequence[Any] | None, verification_info: Sequence[Any] | None
+) -> list[str | list[tuple[str, str]] | None] | None:
+    """One entry per completion: assert-style source, a list of (input, output) cases, or None."""
+    given = [(name, col) for name, col in (("tests", tests), ("test_cases", test_cases)) if col is not None]
+    if verification_info is not None and not given:
+        given = [("verification_info", verification_info)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError("pass the tests as one of tests or test_cases, not both")
+    name, column = given[0]
+    if isinstance(column, (str, bytes)) or len(column) != n:
+        raise ValueError(f"{name} must have one entry per completion ({n}), got {column!r:.80}")
+    return [_test_row(row, name) for row in column]
+
+
+def _test_row(row: Any, name: str) -> str | list[tuple[str, str]] | None:
+    if name == "verification_info" and row is not None:
+        if isinstance(row, str):  # the column as JSON text
+            try:
+                row = json.loads(row)
+            except ValueError:
+                pass
+        if not isinstance(row, Mapping):
+            raise TypeError(f"verification_info rows must be dicts with test_cases, got {type(row).__name__}")
+        if row.get("language", "python") != "python":
+            return None  # a task for another language: not applicable here
+        row = row.get("test_cases")
+    if row is None or isinstance(row, str):
+        return row or None
+    if not isinstance(row, Sequence) or not all(isinstance(c, Mapping) for c in row):
+        raise TypeError(f"{name} rows must be source text or a list of {{'input', 'output'}} dicts, got {row!r:.80}")
+    cases = []
+    for case in row:
+        given, expected = case.get("input"), case.get("output")
+        if not isinstance(given, str) or not isinstance(expected, str):
+            raise TypeError(f"each case of {name} needs str 'input' and 'output', got {case!r:.80}")
+        cases.append((given, expected))
+    return cases or None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ def imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
             # `from . import x` / `from .ops import torch_rows`: x may be a module itself
             submodules = [n for n in names if (PACKAGE.parent / base.replace(".", "/") / f"{n}.py").exists()]
             found += [(f"{base}.{n}", []) for n in submodules]
-            found.append((base, [n for n in names if n not in submodules]))
+            others = [n for n in names if n not in submodules]
+            if others:  # `from . import wire` alone takes nothing from the package's __init__
+                found.append((base, others))
         elif isinstance(node, ast.Import):
             found += [(a.name, []) for a in node.names if a.name.split(".")[0] == "grpo_kernels"]
     return found

@@ -16,6 +16,7 @@ from grpo_kernels.rewards import (
     last_boxed,
     make_format_reward,
 )
+from tests import sandbox_attacks
 
 # ----------------------------------------------------------------------------------------------------------------
 # format
@@ -147,6 +148,56 @@ def test_code_reward_hostile_code_scores_zero_quickly():
     hostile = ["```python\nwhile True: pass\n```", "```python\nx = bytearray(1 << 40)\n```"]
     rewards = code_reward(hostile, tests=["assert True"] * 2, timeout=2.0)
     assert rewards == [0.0, 0.0]
+
+
+def fenced(source):
+    return f"```python\n{source}```"
+
+
+def test_code_reward_forgeries_score_zero():
+    # each of these scored 1.0 when the solution and the tests shared one interpreter
+    forgeries = [fenced(src) for src in sandbox_attacks.FORGERIES.values()]
+    rewards = code_reward(
+        [*forgeries, fenced(sandbox_attacks.HONEST)], tests=[sandbox_attacks.TESTS] * (len(forgeries) + 1)
+    )
+    assert rewards == [0.0] * len(forgeries) + [1.0]
+
+
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+CASES = [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2", "output": "4"}, {"input": "5 5", "output": "  10  \n\n"}]
+
+
+def test_code_reward_stdin_stdout_cases():
+    completions = [fenced(ADD), fenced("print(3)\n"), "no code", fenced(ADD)]
+    rows = [CASES, CASES, CASES, None]
+    assert code_reward(completions, tests=rows) == [1.0, pytest.approx(1 / 3), 0.0, None]
+    assert code_reward(completions, test_cases=rows, all_or_nothing=True) == [1.0, 0.0, 0.0, None]
+    # open-r1's verifiable-coding-problems column; a task for another language is not applicable
+    info = [{"language": "python", "test_cases": [dict(c, type="stdin_stdout") for c in CASES]}] * 3
+    info.append({"language": "cpp", "test_cases": CASES})
+    assert code_reward(completions, verification_info=info) == [1.0, pytest.approx(1 / 3), 0.0, None]
+
+
+def test_code_reward_time_limit_per_case():
+    slow = fenced("import time\nn = int(input())\ntime.sleep(n)\nprint(n)\n")
+    cases = [{"input": "0", "output": "0"}, {"input": "20", "output": "20"}]
+    assert code_reward([slow], tests=[cases], time_limit=2.0) == [0.5]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"tests": ["assert True"] * 2}, ValueError, "tests must have one entry per completion"),
+        ({"tests": [[{"input": "1"}]]}, TypeError, "needs str 'input' and 'output'"),
+        ({"tests": [42]}, TypeError, "tests rows must be source text or a list"),
+        ({"tests": ["x"], "test_cases": [None]}, ValueError, "not both"),
+        ({"verification_info": ["x"]}, TypeError, "verification_info rows must be dicts"),
+        ({"tests": ["assert True"], "timeout": 0}, ValueError, "timeout and time_limit must be positive"),
+    ],
+)
+def test_code_reward_bad_columns(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        code_reward(["```python\npass\n```"], **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,57 +1,61 @@
 """TRL drop-in: `FusedGRPOTrainer` is TRL's `GRPOTrainer` with its loss computed by `grpo_loss` from the logits.
 
-Same constructor, options, loss, gradients and logged metrics as TRL 1.16; only `_compute_loss` changes. For code
-that builds its own `GRPOTrainer`, `patch_grpo_trainer` swaps the same method into an instance or a class.
+Same constructor, options, loss, gradients and logged metrics as the running TRL (1.12 to 1.16: `trl_versions` holds
+what differs between releases); only `_compute_loss` changes. For code that builds its own `GRPOTrainer`,
+`patch_grpo_trainer` swaps the same method into an instance or a class.
 
     from grpo_kernels.integrations.trl import FusedGRPOTrainer as GRPOTrainer
 
 With `use_fused_linear=True` the loss is computed by `fused_linear_grpo_loss` from the last hidden states and the
 lm_head weight instead: the model's forward runs as usual, but its lm_head is handed zero positions, so no logits
-are ever formed (see `_score_from_hidden`).
+are ever formed (`trl_fused_linear`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-SUPPORTED_TRL_VERSIONS = ("1.16.0",)
+from .trl_versions import (
+    TESTED_RANGE,
+    TRLMapping,
+    check_options,
+    forward_context,
+    logits_to_keep,
+    mapping_for,
+    untested_allowed,
+)
 
+try:
+    import trl
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "grpo_kernels.integrations.trl needs TRL; install a supported version with `pip install 'grpo-kernels[trl]'`"
+    ) from exc
+from packaging.version import Version
 
-def _check_trl_version() -> None:
-    try:
-        import trl
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "grpo_kernels.integrations.trl needs TRL; install the supported version with "
-            "`pip install 'grpo-kernels[trl]'`"
-        ) from exc
-    from packaging.version import Version
-
-    found = Version(trl.__version__).public
-    if found not in SUPPORTED_TRL_VERSIONS:
-        raise ImportError(
-            f"grpo_kernels.integrations.trl supports trl=={' or '.join(SUPPORTED_TRL_VERSIONS)}, found trl {found}. "
-            "The fused loss reproduces that version's GRPOTrainer._compute_loss line by line, so another version could "
-            "train with a silently different loss. Install the supported one with `pip install 'grpo-kernels[trl]'`."
-        )
-
-
-_check_trl_version()
+if Version(Version(trl.__version__).public) < Version("1.12.0"):
+    raise ImportError(
+        f"grpo_kernels.integrations.trl supports trl{TESTED_RANGE}, found trl {trl.__version__}; install a supported "
+        "one with `pip install 'grpo-kernels[trl]'`."
+    )
 
 from trl import GRPOTrainer
-from trl.trainer.utils import nanmax, nanmin
 
 from ..api import GRPOOutput, grpo_loss
-from ..fused_linear import fused_linear_grpo_loss
+from ..config import LossConfig
+from ..loss_math import TokenInputs, grpo_objective
+from .trl_check import FirstStepMismatch, FirstStepReport, first_step_check
+from .trl_fused_linear import fused_linear_head, score_from_hidden
 
-# The losses TRL normalizes by `num_items_in_batch` (active tokens of the whole generation batch), not per micro-batch.
-_TOKEN_COUNT_LOSSES = ("cispo", "dapo", "vespo")
-_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# TRL's own loss, kept before any class is patched: the first-step self-check runs it beside the fused one
+_TRL_COMPUTE_LOSS = GRPOTrainer._compute_loss
 
 
 def _model_inputs(inputs: dict[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
@@ -99,165 +103,24 @@ def _keep_lm_head_in_fp32(model: torch.nn.Module) -> None:
     head._grpo_kernels_fp32 = True
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Fused-linear mode: the loss from the lm_head's input hidden states and its weight
-
-# Config fields by which a model transforms its lm_head output (TRL's `add_fused_lm_head` reads the same ones); the
-# fused-linear loss computes `hidden @ W.T + b` only, so a model that sets any of them is refused.
-_LOGIT_SOFTCAP_FIELDS = ("final_logit_softcapping",)
-_LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
-# Autograd nodes between the lm_head's output and the model's `logits` that leave the values unchanged
-_PASSTHROUGH_NODES = frozenset(
-    {"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "SliceBackward0", "CloneBackward0"}
-)
-
-
-def _refuse(reason: str) -> ValueError:
-    return ValueError(f"use_fused_linear=True: {reason}. Use the default logits mode (use_fused_linear=False).")
-
-
-def _fused_linear_head(self: GRPOTrainer, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
-    """(the output-embedding module the forward calls, the nn.Linear whose weight and bias score the hidden states).
-
-    Raises ValueError for what `fused_linear_grpo_loss` cannot reproduce. With PEFT, `get_output_embeddings` reaches
-    the base model through peft's wrappers; an lm_head trained as `modules_to_save` is read from its active copy.
-    """
-    if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
-        raise _refuse(
-            "FSDP1 flattens the lm_head weight into a buffer outside the model's forward; use FSDP2 (fsdp_version: 2), "
-            "whose sharded DTensor weight fused_linear_grpo_loss gathers"
-        )
-    if getattr(self, "is_deepspeed_enabled", False):
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            raise _refuse("DeepSpeed ZeRO-3 partitions the lm_head weight outside the model's forward")
-    unwrapped = self.accelerator.unwrap_model(model)
-    config = getattr(unwrapped, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in _LOGIT_SOFTCAP_FIELDS:
-        if getattr(text_config, name, None) is not None:
-            raise _refuse(
-                f"the model applies final logit softcapping (config.{name}={getattr(text_config, name)}), which "
-                "the fused-linear loss does not compute"
-            )
-    for name in _LOGIT_SCALE_FIELDS:
-        value = getattr(text_config, name, None)
-        if value is not None and value != 1.0:
-            raise _refuse(
-                f"the model scales its logits (config.{name}={value}), which the fused-linear loss does not compute"
-            )
-    head = unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
-    if head is None:
-        raise _refuse(f"{type(unwrapped).__name__} has no output embedding (lm_head) module")
-    linear = head
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        from peft.utils.other import ModulesToSaveWrapper
-    except ImportError:  # pragma: no cover - depends on the environment
-        BaseTunerLayer = ModulesToSaveWrapper = ()  # type: ignore[assignment,misc]
-    if BaseTunerLayer and isinstance(head, BaseTunerLayer):
-        raise _refuse(
-            "the lm_head carries a PEFT adapter (target_modules includes it), whose output the fused-linear loss "
-            "does not compute; remove lm_head from the adapter's target modules"
-        )
-    if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
-        if head.disable_adapters or not head.active_adapters:
-            linear = head.original_module
-        elif len(head.active_adapters) == 1 and head.active_adapters[0] in head.modules_to_save:
-            linear = head.modules_to_save[head.active_adapters[0]]
-        else:
-            raise _refuse(f"the lm_head is trained (modules_to_save) by several active adapters {head.active_adapters}")
-    if not isinstance(linear, torch.nn.Linear) or type(linear).forward is not torch.nn.Linear.forward:
-        raise _refuse(f"the lm_head is a {type(linear).__name__}, not a plain torch.nn.Linear")
-    weight = linear.weight
-    # A DTensor (FSDP2 / fully_shard) weight is fine: fused_linear_grpo_loss gathers it for the call
-    if not weight.is_floating_point() or weight.is_meta or weight.dim() != 2:
-        raise _refuse(
-            f"the lm_head weight is not a plain floating-point matrix on a device ({type(weight).__name__}, "
-            f"{weight.dtype}, {weight.device}): quantized and offloaded heads are not supported"
-        )
-    return head, linear
-
-
-def _score_from_hidden(
-    self: GRPOTrainer, model: torch.nn.Module, model_inputs: dict[str, Any], length: int
-) -> tuple[Any, Callable[..., GRPOOutput]]:
-    """The model's forward with its lm_head fed zero positions; `fused_linear_grpo_loss` bound to what it would read.
-
-    The forward runs whole, through every wrapper (DDP, PEFT, the multimodal model's merge of image features), with
-    `logits_to_keep=T+1`; a pre-hook on the output embedding takes the hidden states it receives and hands it their
-    first 0 positions instead. The lm_head's own forward thus runs on a (B, 0, H) input: no logits are formed, while
-    the (B, 0, V) `logits` the model returns stay connected to the body and the head (so that a wrapper which looks
-    for unused parameters from the outputs finds them all), and the MoE aux loss comes out as in the logits mode.
-    The hidden states that score the completion are the strided view `[:, -T-1:-1]` of the captured ones.
-    """
-    head, linear = _fused_linear_head(self, model)
-    captured: list[torch.Tensor] = []
-    head_outputs: list[Any] = []
-
-    def take_hidden(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hidden = args[0] if args else kwargs.get("input")
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-            raise _refuse(f"the lm_head was called with an input other than [B, S, H] hidden states: {hidden!r:.80}")
-        captured.append(hidden)
-        empty = hidden[:, :0]
-        return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
-
-    pre_hook = head.register_forward_pre_hook(take_hidden, with_kwargs=True)
-    post_hook = head.register_forward_hook(lambda module, args, output: head_outputs.append(output))
-    try:
-        with self.accelerator.autocast():
-            outputs = model(**model_inputs, logits_to_keep=length + 1, use_cache=False)
-            device_type = captured[0].device.type if captured else self.accelerator.device.type
-            amp_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    finally:
-        pre_hook.remove()
-        post_hook.remove()
-    if len(captured) != 1:
-        raise _refuse(f"the model's forward called its lm_head {len(captured)} times, not once")
-    _check_logits_untransformed(outputs.logits, head_outputs[0])
-
-    weight, bias = linear.weight, linear.bias
-    hidden = captured[0][:, -(length + 1) : -1]  # [B, T, H], a strided view of the lm_head's input
-    # The lm_head's precision in the logits mode: fp32 with cast_lm_head_to_fp32 (TRL's fp32 head), else autocast's
-    # dtype for both operands when it is on, else the weight's
-    if self.args.cast_lm_head_to_fp32:
-        dtype = torch.float32
-    elif amp_dtype is not None and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        dtype = amp_dtype
-    else:
-        dtype = weight.dtype
-    hidden = hidden.to(weight.device, dtype)  # the same view when nothing changes, else one [B, T, H] copy
-    weight = weight.to(dtype)
-    bias = None if bias is None else bias.to(dtype)
-    return outputs, functools.partial(fused_linear_grpo_loss, hidden, weight, bias=bias)
-
-
-def _check_logits_untransformed(logits: Any, head_output: Any) -> None:
-    """Refuse a model whose `logits` are its lm_head output transformed (a softcap or scale its config doesn't name).
-
-    Reads the autograd graph between the two (only dtype casts and views may lie in between); without a graph (under
-    no_grad) only identity can be checked, and the config checks of `_fused_linear_head` stand alone.
-    """
-    if logits is head_output or not isinstance(logits, torch.Tensor) or not isinstance(head_output, torch.Tensor):
-        return
-    node, target = logits.grad_fn, head_output.grad_fn
-    if node is None or target is None:
-        return
-    for _ in range(16):
-        if node is target:
-            return
-        if node is None or node.name() not in _PASSTHROUGH_NODES or not node.next_functions:
-            break
-        node = node.next_functions[0][0]
-    raise _refuse(
-        f"the model transforms its lm_head output before returning the logits (through {node.name() if node else None}"
-        "), which the fused-linear loss does not compute"
-    )
-
-
 def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """`GRPOTrainer._compute_loss` of TRL 1.16, with the per-token math and its gradient done by `grpo_loss`.
+    """`GRPOTrainer._compute_loss` of the running TRL, with the per-token math and its gradient done by `grpo_loss`.
+
+    On the first training step with `verify_first_step` (always on an untested TRL), TRL's own `_compute_loss` runs
+    beside it on the same batch and the two are compared (see `trl_check`).
+    """
+    state = _integration_state(self)
+    if state.verify_pending and self.model.training:
+        state.verify_pending = False
+        loss, self.first_step_report = first_step_check(
+            self, model, inputs, _fused_loss, _TRL_COMPUTE_LOSS, trl.__version__
+        )
+        return loss
+    return _fused_loss(self, model, inputs)
+
+
+def _fused_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The fused `_compute_loss`, as the running TRL's mapping (`trl_versions`) says.
 
     The model returns plain logits for the last T+1 positions (`logits_to_keep`); `grpo_loss` reads the strided
     slice that scores the T completion tokens, at `self.temperature`, without a copy. TRL's normalizers outside the
@@ -275,7 +138,8 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
 
     # ---- the forward: plain logits (TRL's fused head is off unless `fused_lm_head=True` is passed), or, in the
     # fused-linear mode, the hidden states the lm_head would have scored
-    if self.args.cast_lm_head_to_fp32:
+    mapping = _integration_state(self).mapping
+    if self.args.cast_lm_head_to_fp32 and mapping.fp32_head_outside_autocast:
         _keep_lm_head_in_fp32(self.accelerator.unwrap_model(model))
     model_inputs = _model_inputs(inputs, input_ids, attention_mask)
     if self.aux_loss_enabled:
@@ -284,10 +148,10 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     # states; both take the same arguments and options, mapped once below
     score: Callable[..., GRPOOutput]
     if getattr(self, "use_fused_linear", False):
-        outputs, score = _score_from_hidden(self, model, model_inputs, length)
+        outputs, score = score_from_hidden(self, model, model_inputs, length, mapping)
     else:
-        with self.accelerator.autocast():
-            outputs = model(**model_inputs, logits_to_keep=length + 1, use_cache=False)
+        with forward_context(self, mapping):
+            outputs = model(**model_inputs, **logits_to_keep(self, mapping, length), use_cache=False)
         # logits[:, t] scores the token at t + 1: the last T+1 rows, less the last, score the completion. Indexing
         # from the end also holds for a model that ignores `logits_to_keep` and returns every position.
         logits = outputs.logits[:, -(length + 1) : -1]  # [B, T, V], a strided view
@@ -297,7 +161,7 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     # token-count losses, steps_per_generation 1); `scale` brings it to TRL's. TRL divides the entropy bonus by the
     # accumulation factor only, so the coefficient handed to grpo_loss is pre-divided by what `scale` adds to that.
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-    if self.loss_type in _TOKEN_COUNT_LOSSES:
+    if self.loss_type in mapping.token_count_losses:
         # TRL: Σ m L / (N / P · accumulation / steps_per_generation), N spanning the generation batch
         scale = self.args.steps_per_generation / accumulation if mode == "train" else 1.0
     else:
@@ -318,7 +182,7 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     if self.loss_type == "vespo" or (self.use_vllm and self.vllm_importance_sampling_correction):
         is_ratio = inputs.get("importance_sampling_ratio")
     num_items = None
-    if self.loss_type in _TOKEN_COUNT_LOSSES:
+    if self.loss_type in mapping.token_count_losses:
         num_items = float(inputs["num_items_in_batch"])
     old_logp = inputs.get("old_per_token_logps")
 
@@ -355,7 +219,7 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     # ---- entropy bonus bookkeeping, as TRL
     if self._entropy_bonus_enabled:
         policy_loss = out.metrics.get("policy_loss", out.loss.detach())  # absent when the applied coefficient is 0
-        if self.loss_type in _TOKEN_COUNT_LOSSES:
+        if self.loss_type in mapping.token_count_losses:
             policy_loss = policy_loss * scale  # TRL logs these after their full normalizer, the others before
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
 
@@ -398,53 +262,104 @@ def fused_compute_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[s
     if "kl" in out.metrics:
         metrics["kl"].append(out.metrics["kl"].item())
     metrics["entropy"].append(out.metrics["entropy"].item())
-    if self.loss_type in _CLIPPED_LOSSES:
-        for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-            metrics[name].append(out.metrics[name].item())
-        low, high = _clipped_tokens(self, out.logp, old_logp, advantages, mask)
-        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(_masked_seq_mean(low, mask))).item())
-        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(_masked_seq_mean(high, mask))).item())
-    elif self.loss_type == "cispo":
-        metrics["cispo_clip_ratio"].append(out.metrics["cispo_clip_ratio"].item())
-    elif self.loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"].append(out.metrics["vespo/phi_seq_mean"].item())
+    for name in mapping.metric_names(self.loss_type):
+        metrics[name].append(out.metrics[name].item())
+    if self.loss_type in mapping.clipped_losses:
+        low, high = _sequence_clip_fractions(self, out.logp, old_logp, advantages, mask)
+        metrics["clip_ratio/low_min"].append(_nanmin(self.accelerator.gather(low)).item())
+        metrics["clip_ratio/high_max"].append(_nanmax(self.accelerator.gather(high)).item())
     return loss
 
 
-def _clipped_tokens(
+def _sequence_clip_fractions(
     self: GRPOTrainer,
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's is_low_clipped / is_high_clipped as floats, [B, T] or [B, 1] (sequence level), from the detached ℓ."""
-    log_ratio = logp - (logp if old_logp is None else old_logp)
-    if self.importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    ratio = torch.exp(log_ratio)
-    if self.args.delta is not None:
-        ratio = torch.clamp(ratio, max=self.args.delta)
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    low = (ratio < 1 - self.epsilon_low) & (adv < 0)
-    high = (ratio > 1 + self.epsilon_high) & (adv > 0)
+    """Each sequence's fraction of low- and high-clipped tokens, [B] float32 (TRL's masked_seq_mean of its
+    is_low_clipped / is_high_clipped): `grpo_objective`'s clip metrics taken over one sequence at a time (vmap).
+
+    NaN for a fully masked sequence at token level, which TRL's nanmin / nanmax then skip.
+    """
+    cfg = LossConfig(
+        loss_type="grpo",  # any clipped loss: the clip metrics depend on the ratio and the clip range only
+        epsilon_low=self.epsilon_low,
+        epsilon_high=self.epsilon_high,
+        delta=self.args.delta,
+        importance_sampling_level=self.importance_sampling_level,
+    )
+    logp = logp.detach().double()
+    old = logp if old_logp is None else old_logp.double()
+    adv = advantages.double()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    m = mask.double()
+
+    def one_sequence(lp: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, mm: torch.Tensor):  # each [1, T] or [1, 1]
+        inp = TokenInputs(advantages=a, mask=mm, old_logp=lo, ref_logp=None, is_ratio=None, sampling_logp=None)
+        _, values = grpo_objective(lp, torch.zeros_like(lp), inp, cfg)
+        return values["clip_ratio/low_mean"], values["clip_ratio/high_mean"]
+
+    low, high = torch.func.vmap(one_sequence)(logp[:, None], old[:, None], adv[:, None], m[:, None])
+    if self.importance_sampling_level == "token" and logp.shape[1] > 1:  # TRL divides by the unclamped count
+        empty = m.sum(-1) == 0
+        low, high = low.masked_fill(empty, math.nan), high.masked_fill(empty, math.nan)
     return low.float(), high.float()
 
 
-def _masked_seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One value per sequence; NaN for a fully masked one (TRL's masked_seq_mean, which nanmin/nanmax skip)."""
-    if x.shape[1] == 1:
-        return x.squeeze(1)
-    return (x * mask).sum(-1) / mask.sum(-1)
+def _nanmin(x: torch.Tensor) -> torch.Tensor:
+    """The least non-NaN value, NaN when there is none (TRL's nanmin)."""
+    return torch.tensor(math.nan, device=x.device) if torch.isnan(x).all() else x[~torch.isnan(x)].min()
+
+
+def _nanmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(math.nan, device=x.device) if torch.isnan(x).all() else x[~torch.isnan(x)].max()
+
+
+class _IntegrationState:
+    """Per trainer: the TRL mapping in use, and whether the first-step self-check is still to run."""
+
+    def __init__(self, mapping: TRLMapping, verify_pending: bool) -> None:
+        self.mapping = mapping
+        self.verify_pending = verify_pending
+
+
+def _attach(trainer: GRPOTrainer, *, verify_first_step: bool = False, trl_untested: bool | None = None) -> None:
+    """Resolve the running TRL's mapping for `trainer`, refuse what it can't reproduce, arm the self-check."""
+    mapping, tested = mapping_for(trl.__version__, allow_untested=untested_allowed(trl_untested))
+    check_options(trainer, mapping, trl.__version__)
+    verify = bool(verify_first_step) or not tested
+    if verify and (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
+        # the check takes each trainable parameter's local gradient with torch.autograd.grad, which sharded or
+        # partitioned parameters don't give
+        why = "verify_first_step=True" if tested else f"an untested TRL ({trl.__version__}) needs the first-step check"
+        raise ValueError(f"{why}, which does not run under FSDP or DeepSpeed; check on a single process or DDP first")
+    trainer._grpo_kernels_state = _IntegrationState(mapping, verify_pending=verify)
+
+
+def _integration_state(trainer: GRPOTrainer) -> _IntegrationState:
+    state = getattr(trainer, "_grpo_kernels_state", None)
+    if state is None:  # a patched class: resolved at the first loss, with the class's settings
+        cls = type(trainer)
+        _attach(
+            trainer,
+            verify_first_step=getattr(cls, "verify_first_step", False),
+            trl_untested=getattr(cls, "trl_untested", None),
+        )
+        state = trainer._grpo_kernels_state
+    return state
 
 
 class FusedGRPOTrainer(GRPOTrainer):
-    """TRL's `GRPOTrainer` (1.16), same constructor and options, with the loss and its gradient from `grpo_loss`.
+    """TRL's `GRPOTrainer` (trl 1.12 to 1.16), same constructor and options, with the loss and its gradient from
+    `grpo_loss`.
 
     Every GRPOConfig option of the loss is honoured: the eight loss types, epsilon/epsilon_high, delta, beta and
     use_bias_correction_kl, importance_sampling_level, temperature, top_entropy_quantile, entropy_coef (static and
     adaptive), off_policy_mask_threshold, the vLLM importance-sampling correction, tool masks, num_items_in_batch with
-    gradient accumulation and steps_per_generation, and the MoE aux loss; the logged metrics keep TRL's names.
+    gradient accumulation and steps_per_generation, and the MoE aux loss; the logged metrics keep TRL's names. What a
+    release has that the fused loss can't reproduce is refused by name (`use_liger_kernel=True` before TRL 1.15).
 
     Example:
         >>> from grpo_kernels.integrations.trl import FusedGRPOTrainer
@@ -457,23 +372,48 @@ class FusedGRPOTrainer(GRPOTrainer):
     normalizers and metrics. It needs a plain nn.Linear lm_head (tied or not, frozen or trained; PEFT adapters on
     the body are fine) and refuses, with a ValueError, models that softcap or scale their logits, adapters on the
     lm_head, and lm_head weights flattened or partitioned outside the forward (FSDP1, DeepSpeed ZeRO-3).
+
+    `verify_first_step=True` runs TRL's own `_compute_loss` beside the fused one on the first training step and
+    compares the loss, the trainable parameters' gradients and the metrics at the parity tolerances, raising
+    `FirstStepMismatch` with a report of what differs (cost: one extra forward and backward, once; the report is
+    kept as `trainer.first_step_report`). `trl_untested=True` (or GRPO_KERNELS_TRL_UNTESTED=1) accepts a TRL newer
+    than the tested range, with a warning, and then always runs that check.
     """
 
     use_fused_linear: bool = False
+    first_step_report: FirstStepReport | None = None
     _compute_loss = fused_compute_loss
 
-    def __init__(self, *args: Any, use_fused_linear: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        use_fused_linear: bool = False,
+        verify_first_step: bool = False,
+        trl_untested: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        with warnings.catch_warnings():  # refuse an untested TRL before building anything (_attach warns below)
+            warnings.simplefilter("ignore")
+            mapping_for(trl.__version__, allow_untested=untested_allowed(trl_untested))
         self.use_fused_linear = bool(use_fused_linear)
         super().__init__(*args, **kwargs)
+        _attach(self, verify_first_step=verify_first_step, trl_untested=trl_untested)
         if self.use_fused_linear:
-            _fused_linear_head(self, self.model)  # refuse an unsupported model now rather than at the first step
+            fused_linear_head(self, self.model)  # refuse an unsupported model now rather than at the first step
 
 
-def patch_grpo_trainer(trainer_or_class: Any, use_fused_linear: bool = False) -> Any:
+def patch_grpo_trainer(
+    trainer_or_class: Any,
+    use_fused_linear: bool = False,
+    *,
+    verify_first_step: bool = False,
+    trl_untested: bool | None = None,
+) -> Any:
     """Make an existing `GRPOTrainer` instance (or a `GRPOTrainer` class and its subclasses) use the fused loss.
 
-    For code that constructs TRL's trainer itself. Returns its argument. `use_fused_linear` as in
-    `FusedGRPOTrainer` (an instance's model is checked at once, a class's at its first loss).
+    For code that constructs TRL's trainer itself. Returns its argument. `use_fused_linear`, `verify_first_step` and
+    `trl_untested` as in `FusedGRPOTrainer` (an instance's model and options are checked at once, a class's
+    instances at their first loss).
 
     >>> trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
     >>> patch_grpo_trainer(trainer).train()
@@ -481,11 +421,15 @@ def patch_grpo_trainer(trainer_or_class: Any, use_fused_linear: bool = False) ->
     if isinstance(trainer_or_class, type):
         if not issubclass(trainer_or_class, GRPOTrainer):
             raise TypeError(f"patch_grpo_trainer expects a GRPOTrainer subclass, got {trainer_or_class.__name__}")
+        mapping_for(trl.__version__, allow_untested=untested_allowed(trl_untested))
         trainer_or_class._compute_loss = fused_compute_loss
         trainer_or_class.use_fused_linear = bool(use_fused_linear)
+        trainer_or_class.verify_first_step = bool(verify_first_step)
+        trainer_or_class.trl_untested = trl_untested
     elif isinstance(trainer_or_class, GRPOTrainer):
+        _attach(trainer_or_class, verify_first_step=verify_first_step, trl_untested=trl_untested)
         if use_fused_linear:
-            _fused_linear_head(trainer_or_class, trainer_or_class.model)
+            fused_linear_head(trainer_or_class, trainer_or_class.model)
         trainer_or_class._compute_loss = types.MethodType(fused_compute_loss, trainer_or_class)
         trainer_or_class.use_fused_linear = bool(use_fused_linear)
     else:
@@ -495,4 +439,11 @@ def patch_grpo_trainer(trainer_or_class: Any, use_fused_linear: bool = False) ->
     return trainer_or_class
 
 
-__all__ = ["SUPPORTED_TRL_VERSIONS", "FusedGRPOTrainer", "fused_compute_loss", "patch_grpo_trainer"]
+__all__ = [
+    "TESTED_RANGE",
+    "FirstStepMismatch",
+    "FirstStepReport",
+    "FusedGRPOTrainer",
+    "fused_compute_loss",
+    "patch_grpo_trainer",
+]

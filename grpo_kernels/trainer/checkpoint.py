@@ -1,7 +1,9 @@
-"""Atomic checkpoints: the LoRA adapter (safetensors), optimizer, scheduler, RNG states and step.
+"""Atomic checkpoints: the LoRA adapter (safetensors), optimizer, scheduler, RNG states, config and step.
 
-A checkpoint is written into a hidden temporary folder and renamed into place, so a run killed at any instant
-(SIGKILL included) leaves either the whole `checkpoint-<step>` or none of it; `--resume` takes the newest one.
+A checkpoint is written into a hidden temporary folder, its completion marker last, and renamed into place, so a
+run killed at any instant (SIGKILL included) leaves either the whole `checkpoint-<step>` or none of it. Pruning
+renames a checkpoint to a hidden name before deleting it, so a half-deleted one never looks complete. Only a
+folder with its marker counts; `--resume` takes the newest such one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import torch
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "train_config.json"
+COMPLETE_MARKER = "checkpoint_complete"  # written last: a checkpoint without it does not count
+TMP_PREFIXES = (".tmp-checkpoint-", ".deleting-checkpoint-")
 
 
 def rng_state() -> dict[str, Any]:
@@ -73,33 +78,50 @@ def save_checkpoint(
             "rng": rng_state(),
         }
         torch.save(state, tmp / STATE_FILE)
-        (tmp / "train_config.json").write_text(json.dumps(config, indent=1, default=str))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
+        _fsync_tree(tmp)  # every file is on disk before the marker says so
+        (tmp / COMPLETE_MARKER).write_text(f"{step}\n")
         _fsync_tree(tmp)
         if final.exists():  # only when a run re-saves a step it already saved
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep:
         for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
     return final
 
 
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint so that no instant leaves it looking complete: rename it to a hidden name, then delete."""
+    doomed = folder.with_name(f"{TMP_PREFIXES[1]}{folder.name}")
+    shutil.rmtree(doomed, ignore_errors=True)  # left by a deletion that was itself interrupted
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def remove_partial_checkpoints(output_dir: str | os.PathLike) -> None:
-    """Delete the temporaries of checkpoints a killed run was writing (call before training into `output_dir`)."""
-    for tmp in Path(output_dir).glob(".tmp-checkpoint-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Delete what a killed run was writing or deleting (call before training into `output_dir`)."""
+    for prefix in TMP_PREFIXES:
+        for tmp in Path(output_dir).glob(f"{prefix}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE_MARKER).is_file()
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (half-written temporaries are hidden folders and never match)."""
+    """Complete checkpoints (with their marker), oldest first; temporaries are hidden folders and never match."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
     found = [
-        (int(m.group(1)), p) for p in output_dir.iterdir() if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_dir()
+        (int(m.group(1)), p)
+        for p in output_dir.iterdir()
+        if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_dir() and is_complete(p)
     ]
     return [p for _, p in sorted(found)]
 
@@ -121,12 +143,21 @@ def load_adapter(model: Any, folder: str | os.PathLike) -> None:
         raise ValueError(f"checkpoint {folder} does not fit this model: unexpected adapter keys {unexpected[:4]}...")
 
 
-def load_checkpoint(folder: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-    """Restore adapter, optimizer, scheduler and RNG states from `folder`; returns the step to continue from."""
+def saved_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """The training configuration a checkpoint was written with (`TrainConfig.to_dict()`)."""
+    return json.loads((Path(folder) / CONFIG_FILE).read_text())
+
+
+def load_checkpoint(
+    folder: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None
+) -> int:
+    """Restore adapter, optimizer, scheduler (unless None: the caller rebuilds it) and RNG states from `folder`;
+    returns the step to continue from."""
     folder = Path(folder)
     load_adapter(model, folder)
     state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return int(state["step"])

@@ -1,18 +1,79 @@
 """The trainer's one config dataclass; the CLI makes a flag of every field (`--field-name`).
 
-The loss fields mirror `grpo_kernels.LossConfig` one to one (a test keeps them in step), so every option of the
-loss is reachable from the command line; `temperature` and `max_completion_length` serve sampling and loss alike.
+The loss options live in a `grpo_kernels.LossConfig` (`cfg.loss`), and the CLI gives each of its options a flag of
+its own (`--loss-type`, `--beta`, ...). `temperature` and `max_completion_length` serve sampling and loss alike:
+they are fields of the trainer, copied into `cfg.loss`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..config import LOSS_TYPES, LossConfig
 
 # Options of the loss that the loop fills in itself rather than the user.
 LOOP_SET_LOSS_OPTIONS = ("num_items_in_batch",)
+# Options of the loss that are fields of the trainer because sampling uses them too.
+SHARED_LOSS_OPTIONS = ("temperature", "max_completion_length")
+# The trainer's defaults where they differ from grpo_loss's (TRL's names and defaults otherwise).
+TRAINER_LOSS_DEFAULTS: dict[str, Any] = {"beta": 0.04}
+LOSS_HELP = {
+    "loss_type": f"one of {', '.join(LOSS_TYPES)}",
+    "beta": "KL penalty to the reference (the base model, adapter disabled); >= 0",
+    "epsilon_low": "lower clip range",
+    "epsilon_high": "upper clip range (default: epsilon_low); cispo's absolute cap",
+    "delta": "two-sided clipping bound on the ratio",
+    "importance_sampling_level": '"token" or "sequence" (GSPO)',
+    "use_bias_correction_kl": "multiply the KL by the importance ratio",
+    "sapo_temperature_pos": "sapo: temperature for positive advantages",
+    "sapo_temperature_neg": "sapo: temperature for negative advantages",
+    "vespo_k_pos": "vespo: k for A >= 0",
+    "vespo_lambda_pos": "vespo: lambda for A >= 0",
+    "vespo_k_neg": "vespo: k for A < 0",
+    "vespo_lambda_neg": "vespo: lambda for A < 0",
+    "off_policy_mask_threshold": "mask negative-advantage sequences this far off-policy",
+    "top_entropy_quantile": "train only on the top-q entropy tokens",
+    "entropy_coef": "entropy bonus coefficient",
+    "check_inputs": "raise on NaN/inf at unmasked tokens (logits included: one more pass over them)",
+}
+# Fields a resumed run may change freely: where and how it reports, not what it computes.
+HARMLESS_FIELDS = (
+    "output_dir",
+    "backend",
+    "device",
+    "num_threads",
+    "save_steps",
+    "save_total_limit",
+    "resume",
+    "overwrite",
+    "allow_config_change",
+    "progress",
+    "logging_steps",
+    "plot",
+    "zero_variance_warning_steps",
+)
+# Fields that set the learning-rate schedule or the optimizer: a change rebuilds both
+SCHEDULE_FIELDS = (
+    "max_steps",
+    "num_iterations",
+    "learning_rate",
+    "lr_scheduler",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+)
+DATA_FORMATS = (
+    "a local .jsonl (one JSON object per line), .json (a list of objects, or JSON lines), .csv (a header row) or "
+    ".parquet file, or a Hugging Face hub dataset name"
+)
+
+
+def loss_options() -> list[str]:
+    """The options of `LossConfig` the user sets (each one a CLI flag)."""
+    skip = LOOP_SET_LOSS_OPTIONS + SHARED_LOSS_OPTIONS
+    return [name for name in LossConfig.option_names() if name not in skip]
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -24,7 +85,7 @@ def _help(text: str, default: Any) -> Any:
 class TrainConfig:
     # model and data
     model: str = _help("model folder or Hugging Face hub id", "")
-    dataset: str = _help("a local .jsonl/.json/.csv/.parquet file or a Hugging Face dataset name", "")
+    dataset: str = _help(DATA_FORMATS, "")
     dataset_config: str | None = _help("the dataset's configuration name (hub datasets)", None)
     dataset_split: str = _help("the split to train on", "train")
     prompt_column: str = _help("column holding the question", "prompt")
@@ -42,7 +103,7 @@ class TrainConfig:
 
     # rollouts
     prompts_per_step: int = _help("prompts per rollout batch (B)", 8)
-    num_generations: int = _help("completions per prompt (G)", 8)
+    num_generations: int = _help("completions per prompt (G), >= 2: the advantage compares a group's rewards", 8)
     max_prompt_length: int = _help("prompts are cut to their last this-many tokens", 512)
     max_completion_length: int = _help("max new tokens per completion (also dr_grpo's normalizer)", 256)
     temperature: float = _help("sampling temperature, also applied to the logits in the loss", 1.0)
@@ -50,7 +111,10 @@ class TrainConfig:
     top_k: int = _help("top-k sampling (0: off)", 0)
     mask_truncated_completions: bool = _help("exclude completions that hit the length limit from the loss", False)
     reward_funcs: str = _help(
-        "comma-separated: accuracy, format, format_lenient, code, or module:function", "accuracy,format"
+        "comma-separated: accuracy, format, format_lenient, code, or module:function, a function of your own "
+        "(e.g. myrewards:digit_reward for def digit_reward(completions, **columns) in ./myrewards.py; the module is "
+        "looked up in the current folder first)",
+        "accuracy,format",
     )
     reward_weights: str = _help("comma-separated weights, one per reward function (empty: all 1)", "")
     scale_rewards: str = _help('advantage scaling: "group", "batch" or "none"', "group")
@@ -67,24 +131,8 @@ class TrainConfig:
     adam_beta2: float = _help("AdamW beta2", 0.99)
     max_grad_norm: float = _help("gradient clipping (0: off)", 1.0)
 
-    # the loss (grpo_loss options, TRL's names and defaults except loss_type/beta, which follow the seeds)
-    loss_type: str = _help(f"one of {', '.join(LOSS_TYPES)}", "grpo")
-    beta: float = _help("KL penalty to the reference (the base model, adapter disabled)", 0.04)
-    epsilon_low: float = _help("lower clip range", 0.2)
-    epsilon_high: float | None = _help("upper clip range (default: epsilon_low); cispo's absolute cap", None)
-    delta: float | None = _help("two-sided clipping bound on the ratio", None)
-    importance_sampling_level: str = _help('"token" or "sequence" (GSPO)', "token")
-    use_bias_correction_kl: bool = _help("multiply the KL by the importance ratio", False)
-    sapo_temperature_pos: float = _help("sapo: temperature for positive advantages", 1.0)
-    sapo_temperature_neg: float = _help("sapo: temperature for negative advantages", 1.05)
-    vespo_k_pos: float = _help("vespo: k for A >= 0", 2.0)
-    vespo_lambda_pos: float = _help("vespo: lambda for A >= 0", 3.0)
-    vespo_k_neg: float = _help("vespo: k for A < 0", 3.0)
-    vespo_lambda_neg: float = _help("vespo: lambda for A < 0", 2.0)
-    off_policy_mask_threshold: float | None = _help("mask negative-advantage sequences this far off-policy", None)
-    top_entropy_quantile: float = _help("train only on the top-q entropy tokens", 1.0)
-    entropy_coef: float = _help("entropy bonus coefficient", 0.0)
-    check_inputs: bool = _help("raise on NaN/inf at unmasked tokens (logits included: one more pass over them)", False)
+    # the loss: every option of grpo_loss is a flag of its own (--loss-type, --beta, ...); see LOSS_HELP
+    loss: LossConfig = field(default_factory=lambda: LossConfig(**TRAINER_LOSS_DEFAULTS), metadata={"help": ""})
     backend: str = _help('loss backend: "auto", "triton" or "torch"', "auto")
 
     # runtime
@@ -94,8 +142,18 @@ class TrainConfig:
     num_threads: int = _help("torch CPU threads (0: torch's default)", 0)
     save_steps: int = _help("checkpoint every this many steps (0: only at the end)", 50)
     save_total_limit: int = _help("checkpoints kept (oldest removed first)", 2)
-    resume: bool = _help("continue from the newest checkpoint in output_dir", False)
-    progress: bool = _help("show a rich progress bar", True)
+    resume: bool = _help("continue from the newest complete checkpoint in output_dir", False)
+    overwrite: bool = _help("replace the run already in output_dir (its metrics, checkpoints, adapter, plot)", False)
+    allow_config_change: bool = _help(
+        "with --resume: continue although the configuration changed since the checkpoint (the LR schedule is "
+        "rebuilt for the new length)",
+        False,
+    )
+    progress: bool = _help("show a rich progress bar (--no-progress: one line per logging step)", True)
+    logging_steps: int = _help("print a line every this many steps with --no-progress (metrics.jsonl: every step)", 1)
+    zero_variance_warning_steps: int = _help(
+        "warn once when every group's rewards are equal for this many steps in a row (0: never)", 10
+    )
     plot: bool = _help("write training_curves.png at the end", True)
 
     def __post_init__(self) -> None:
@@ -114,7 +172,22 @@ class TrainConfig:
             "gradient_accumulation_steps",
         ):
             check(getattr(self, name) >= 1, name, ">= 1")
-        for name in ("warmup_steps", "save_steps", "save_total_limit", "top_k", "num_threads", "max_grad_norm"):
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2, got {self.num_generations}: GRPO's advantage is a completion's reward "
+                "minus the mean of its group of num_generations completions, so a group of one has advantage 0 and "
+                "nothing is learned"
+            )
+        for name in (
+            "warmup_steps",
+            "save_steps",
+            "save_total_limit",
+            "top_k",
+            "num_threads",
+            "max_grad_norm",
+            "logging_steps",
+            "zero_variance_warning_steps",
+        ):
             check(getattr(self, name) >= 0, name, ">= 0")
         check(self.temperature > 0, "temperature", "> 0")
         check(0 < self.top_p <= 1, "top_p", "in (0, 1]")
@@ -126,14 +199,24 @@ class TrainConfig:
             "dtype",
             '"auto", "float32", "bfloat16" or "float16"',
         )
-        self.loss_config()  # validates every loss option now, not at the first step
+        check(self.logging_steps >= 1, "logging_steps", ">= 1")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: continue the run in output_dir, or replace it")
+        if isinstance(self.loss, dict):  # as to_dict() wrote it
+            self.loss = LossConfig(**self.loss)
+        if not isinstance(self.loss, LossConfig):
+            raise TypeError(f"loss must be a grpo_kernels.LossConfig, got {type(self.loss).__name__}")
+        if self.loss.beta < 0:
+            raise ValueError(
+                f"beta must be >= 0, got {self.loss.beta}: it weighs the KL penalty that keeps the policy near the "
+                "reference; a negative beta would reward moving away from it (the loss would be -KL)"
+            )
+        # sampling and the loss share the temperature and the length limit (dr_grpo's normalizer)
+        self.loss = replace(self.loss, temperature=self.temperature, max_completion_length=self.max_completion_length)
 
     def loss_options(self) -> dict[str, Any]:
         """The keyword options of `grpo_loss` this config sets (all but those the loop fills in per batch)."""
-        return {name: getattr(self, name) for name in LossConfig.option_names() if name not in LOOP_SET_LOSS_OPTIONS}
-
-    def loss_config(self) -> LossConfig:
-        return LossConfig(**self.loss_options())
+        return {k: v for k, v in asdict(self.loss).items() if k not in LOOP_SET_LOSS_OPTIONS}
 
     def weights(self, num_funcs: int) -> list[float]:
         if not self.reward_weights.strip():
@@ -147,6 +230,30 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
+        """A config from flat options, as the CLI has them: the loss options (`loss_type`, `beta`, ...) beside the
+        trainer's fields. An unknown name is an error."""
+        known, options = {f.name for f in fields(cls)}, set(loss_options())
+        unknown = sorted(set(values) - known - options)
+        if unknown:
+            raise TypeError(f"unknown TrainConfig option(s) {unknown}")
+        loss = TRAINER_LOSS_DEFAULTS | {k: v for k, v in values.items() if k in options}
+        return cls(**{k: v for k, v in values.items() if k in known and k != "loss"}, loss=LossConfig(**loss))
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """The config a checkpoint saved (`to_dict`); names this version does not know are left out."""
         known = {f.name for f in fields(cls)}
+        if "loss" not in values:  # saved by a version with the loss options at top level
+            values = {**values, "loss": {k: v for k, v in values.items() if k in loss_options()}}
         return cls(**{k: v for k, v in values.items() if k in known})
+
+    def changes_from(self, saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """{name: (saved value, this value)} of the options, the loss's included, that differ from a saved
+        `to_dict()`; names that only one of the two versions knows are left out."""
+        a, b = _flatten(saved), _flatten(self.to_dict())
+        return {k: (a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k] != b[k]}
+
+
+def _flatten(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k != "loss"} | dict(values.get("loss", {}))

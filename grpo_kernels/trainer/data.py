@@ -7,14 +7,17 @@ column rides along and reaches the reward functions as a keyword argument, as in
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
+import sys
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..rewards import RewardFunc, accuracy_reward, code_reward, get_reward_funcs, reward_name
 from .config import TrainConfig
 
 # DeepSeek-R1-Zero's template (arXiv:2501.12948, Table 1); the question follows it.
@@ -61,10 +64,10 @@ def load_rows(
     prompt_column: str = "prompt",
     answer_column: str = "answer",
     tests_column: str = "tests",
+    reward_funcs: Sequence[RewardFunc] = (),
 ) -> list[dict[str, Any]]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file or a hub dataset, with columns renamed to prompt/answer/tests."""
-    import datasets
-
+    """Rows of a local JSONL/JSON/CSV/Parquet file or a hub dataset, with columns renamed to prompt/answer/tests.
+    A reward of `reward_funcs` that needs a column the dataset lacks is an error (`check_reward_columns`)."""
     if not dataset:
         raise ValueError("dataset must name a local .jsonl/.json/.csv/.parquet file or a Hugging Face dataset")
     ext = os.path.splitext(dataset)[1].lower()
@@ -73,36 +76,81 @@ def load_rows(
             raise ValueError(
                 f"dataset {dataset!r}: unsupported file type {ext!r}; expected one of {sorted(LOCAL_FORMATS)}"
             )
-        ds = datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: dataset}, split=split)
+        records = _read_local(dataset, ext, split)
     elif ext in LOCAL_FORMATS:
         raise FileNotFoundError(f"dataset file {dataset!r} does not exist")
     else:
-        from huggingface_hub import constants
-
-        if hub_offline() and not constants.HF_HUB_OFFLINE:
-            raise LoadError(
-                f"dataset {dataset!r} is neither a local file nor reachable: the Hugging Face hub does not answer. "
-                "Pass a local .jsonl/.csv/.parquet file, or set HF_HUB_OFFLINE=1 to use a cached copy."
-            )
-        try:
-            ds = datasets.load_dataset(dataset, config_name, split=split)
-        except Exception as err:  # the hub raises many types: connection, missing repo, missing split
-            raise LoadError(
-                f"could not load the dataset {dataset!r} (split {split!r}) from the Hugging Face hub: {err}. "
-                "Pass a local .jsonl/.csv/.parquet file, or make the hub reachable (HF_HUB_OFFLINE unset)."
-            ) from err
+        records = _read_hub(dataset, config_name, split)
+    if not records:
+        raise ValueError(f"dataset {dataset!r} (split {split!r}) has no rows")
+    if not any(prompt_column in r for r in records):
+        raise ValueError(f"dataset {dataset!r} has no prompt column {prompt_column!r}; its columns: {list(records[0])}")
+    check_reward_columns(reward_funcs, records, f"dataset {dataset!r}", answer=answer_column, tests=tests_column)
     rename = {prompt_column: "prompt", answer_column: "answer", tests_column: "tests"}
-    if prompt_column not in ds.column_names:
-        raise ValueError(f"dataset {dataset!r} has no prompt column {prompt_column!r}; its columns: {ds.column_names}")
-    rows = []
-    for record in ds:
-        rows.append({rename.get(k, k): v for k, v in record.items()})
-    if not rows:
-        raise ValueError(f"dataset {dataset!r} (split {split!r}) is empty")
-    return rows
+    return [{rename.get(k, k): v for k, v in record.items()} for record in records]
 
 
-def rows_from_config(cfg: TrainConfig) -> list[dict[str, Any]]:
+def _read_local(path: str, ext: str, split: str) -> list[dict[str, Any]]:
+    """The records of a local file; JSON is parsed here so that a bad row is reported by its number."""
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"dataset {path!r} is empty (0 bytes)")
+    if ext in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if not text.strip():
+            raise ValueError(f"dataset {path!r} is empty (only whitespace)")
+        if ext == ".json" and text.lstrip().startswith("["):
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"dataset {path!r} is not valid JSON: {err}") from err
+            bad = next((i for i, r in enumerate(records, 1) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ValueError(f"dataset {path!r}: item {bad} is not a JSON object")
+            return records
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"dataset {path!r}: row {number} is not valid JSON ({err.msg} at column {err.colno})")
+            if not isinstance(record, dict):
+                raise ValueError(f"dataset {path!r}: row {number} is not a JSON object")
+            records.append(record)
+        return records
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: path}, split=split)
+    except Exception as err:  # datasets wraps the reader's error; its innermost cause is the useful part
+        cause = err
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        raise ValueError(f"dataset {path!r} could not be read as {ext[1:]}: {cause}") from err
+    return list(ds)
+
+
+def _read_hub(dataset: str, config_name: str | None, split: str) -> list[dict[str, Any]]:
+    import datasets
+    from huggingface_hub import constants
+
+    if hub_offline() and not constants.HF_HUB_OFFLINE:
+        raise LoadError(
+            f"dataset {dataset!r} is neither a local file nor reachable: the Hugging Face hub does not answer. "
+            "Pass a local .jsonl/.csv/.parquet file, or set HF_HUB_OFFLINE=1 to use a cached copy."
+        )
+    try:
+        return list(datasets.load_dataset(dataset, config_name, split=split))
+    except Exception as err:  # the hub raises many types: connection, missing repo, missing split
+        raise LoadError(
+            f"could not load the dataset {dataset!r} (split {split!r}) from the Hugging Face hub: {err}. "
+            "Pass a local .jsonl/.csv/.parquet file, or make the hub reachable (HF_HUB_OFFLINE unset)."
+        ) from err
+
+
+def rows_from_config(cfg: TrainConfig, reward_funcs: Sequence[RewardFunc] = ()) -> list[dict[str, Any]]:
     return load_rows(
         cfg.dataset,
         split=cfg.dataset_split,
@@ -110,7 +158,45 @@ def rows_from_config(cfg: TrainConfig) -> list[dict[str, Any]]:
         prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column,
         tests_column=cfg.tests_column,
+        reward_funcs=reward_funcs,
     )
+
+
+def load_reward_funcs(names: str) -> list[RewardFunc]:
+    """The reward functions `names` lists; a `module:function` is looked up in the current folder first, as a
+    user who writes ./myrewards.py expects, whether the CLI was started as a script or with `python -m`."""
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        return get_reward_funcs(names)
+    finally:
+        sys.path.remove(cwd)
+
+
+# The built-in rewards that need a dataset column: (the column, its CLI flag, the names TRL also accepts for it)
+NEEDED_COLUMNS: dict[Any, tuple[str, str, tuple[str, ...]]] = {
+    accuracy_reward: ("answer", "--answer-column", ("solution",)),
+    code_reward: ("tests", "--tests-column", ()),
+}
+
+
+def check_reward_columns(
+    funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], source: str, *, answer: str, tests: str
+) -> None:
+    """A reward whose column the rows lack would score every completion None (accuracy quietly 0): refuse.
+    `answer`/`tests` name the columns that hold them in `rows`; the default names also accept TRL's aliases."""
+    present = {k for row in rows for k in row}
+    names = {"answer": answer, "tests": tests}
+    for func in funcs:
+        if func not in NEEDED_COLUMNS:
+            continue
+        column, flag, aliases = NEEDED_COLUMNS[func]
+        accepted = {names[column], *(aliases if names[column] == column else ())}
+        if not present & accepted:
+            raise ValueError(
+                f"reward {reward_name(func)!r} needs the dataset's {names[column]!r} column ({flag}), which {source} "
+                f"lacks; its columns: {sorted(present)}"
+            )
 
 
 def resolve_system_prompt(system_prompt: str) -> str:
@@ -147,5 +233,5 @@ def prompt_indices(step: int, batch: int, num_rows: int, seed: int) -> list[int]
 
 def columns_for(rows: Sequence[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
     """Dataset columns, each repeated per completion, as keyword arguments for the reward functions."""
-    keys = [k for k in rows[0] if k != "prompt"]
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k != "prompt"]  # every row's columns
     return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}

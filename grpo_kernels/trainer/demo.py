@@ -8,6 +8,8 @@ arithmetic half-learnt; GRPO on `grpo_loss` (LoRA, KL to the SFT model) then imp
 from __future__ import annotations
 
 import json
+import os
+import platform
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -16,9 +18,13 @@ from typing import Any
 
 import torch
 
+from ..config import LossConfig
 from ..rewards import accuracy_reward, combine_rewards, format_reward
 from .config import TrainConfig
-from .loop import decode_completions, generate, prepare_tokenizer, train
+from .loop import train
+from .model import prepare_tokenizer
+from .plotting import plot_metrics
+from .sampling import decode_completions, generate
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -143,6 +149,7 @@ class DemoConfig:
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     grpo: TrainConfig | None = None  # None: `default_grpo_config(output_dir, seed)`
+    eval_every: int = 5  # GRPO steps between held-out evaluations (greedy, cheap at this size)
     num_threads: int = 1  # one thread: fastest for a model this small, and the same numbers on any machine
 
 
@@ -167,12 +174,12 @@ def default_grpo_config(output_dir: str, seed: int) -> TrainConfig:
         learning_rate=3e-4,
         lr_scheduler="constant",
         warmup_steps=5,
-        loss_type="grpo",
-        beta=0.04,
+        loss=LossConfig(loss_type="grpo", beta=0.04),
         max_grad_norm=1.0,
         seed=seed,
         save_steps=0,
         save_total_limit=1,
+        overwrite=True,  # the demo is reproducible: a second run replaces the first
     )
 
 
@@ -199,7 +206,7 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     grpo_cfg = cfg.grpo or default_grpo_config(cfg.output_dir, cfg.seed)
-    grpo_cfg = replace(grpo_cfg, progress=progress, num_threads=cfg.num_threads, device="cpu")
+    grpo_cfg = replace(grpo_cfg, progress=progress, num_threads=cfg.num_threads, device="cpu", plot=False)
     train_rows, eval_rows = addition_splits(cfg.seed, cfg.num_eval)
 
     tokenizer = build_char_tokenizer()
@@ -215,20 +222,46 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
     log(f"cold-start SFT: {cfg.sft_steps} steps, final loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
     log(f"before GRPO: held-out accuracy {before['accuracy']:.1%}, mean reward {before['reward']:.3f}")
 
-    result = train(grpo_cfg, model=model, tokenizer=tokenizer, rows=train_rows, reward_funcs=REWARD_FUNCS)
-    after = evaluate(result.model, tokenizer, eval_rows, grpo_cfg)
+    result = train(
+        grpo_cfg,
+        model=model,
+        tokenizer=tokenizer,
+        rows=train_rows,
+        reward_funcs=REWARD_FUNCS,
+        evaluate=lambda m, tok: evaluate(m, tok, eval_rows, grpo_cfg),
+        eval_every=cfg.eval_every,
+    )
+    last = result.records[-1]  # evaluated after the last step
+    after = {k.removeprefix("eval/"): v for k, v in last.items() if k.startswith("eval/")}
     seconds = time.perf_counter() - t0
     log(f"after GRPO:  held-out accuracy {after['accuracy']:.1%}, mean reward {after['reward']:.3f}")
-    log(f"plot: {result.plot_path}")
-    log(f"total time: {seconds:.0f}s")
     out = Path(cfg.output_dir)
+    plot_path = plot_metrics(
+        result.records,
+        out / "training_curves.png",
+        title=f"GRPO on two-digit addition: {len(eval_rows)} held-out sums, {len(result.records)} steps",
+        before=before,
+    )
+    log(f"plot: {plot_path}")
+    log(f"total time: {seconds:.0f}s")
     summary = {
         "before": before,
         "after": after,
         "seconds": seconds,
-        "plot": str(result.plot_path),
+        "plot": plot_path,
+        "eval_curve": [
+            {"step": 0, **before},
+            *({"step": r["step"], **{k[5:]: v for k, v in r.items() if k.startswith("eval/")}} for r in result.records
+              if "eval/accuracy" in r),
+        ],
         "config": {k: v for k, v in asdict(cfg).items() if k != "grpo"},
         "grpo": grpo_cfg.to_dict(),
+        "machine": {
+            "cpu": platform.machine(),
+            "cores": os.cpu_count(),
+            "load_average": round(os.getloadavg()[0], 1),  # times on a shared machine stretch with its load
+            "torch": torch.__version__,
+        },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return DemoResult(before, after, seconds, str(result.plot_path) if result.plot_path else None, str(out))
+    return DemoResult(before, after, seconds, plot_path, str(out))

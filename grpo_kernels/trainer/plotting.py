@@ -1,4 +1,8 @@
-"""The training figure: reward ± std, loss, KL, clip ratio, entropy and completion length against the step."""
+"""The training figure: held-out accuracy first (when evaluated), then training reward as a rolling mean with a
+light band, the KL, the loss, the entropy and the completion length against the step.
+
+Panels whose curves are constant or absent (the clip ratio at mu = 1, the KL at beta = 0) are left out.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +12,16 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-# (title, [(metric, label)], optional std metric drawn as a band around the first curve)
-PANELS: list[tuple[str, list[tuple[str, str]], str | None]] = [
-    ("reward", [("reward", "reward (mean ± std)"), ("accuracy", "accuracy")], "reward_std"),
-    ("loss", [("loss", "loss")], None),
-    ("KL to the reference", [("kl", "kl")], None),
+# The panels after held-out accuracy and training reward: (title, [(metric, label)])
+PANELS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("KL to the reference", [("kl", "kl")]),
+    ("loss", [("loss", "loss")]),
     (
         "clip ratio",
         [("clip_ratio/region_mean", "region"), ("clip_ratio/low_mean", "low"), ("clip_ratio/high_mean", "high")],
-        None,
     ),
-    ("entropy", [("entropy", "entropy")], None),
-    ("completion length", [("completions/mean_length", "mean length (tokens)")], None),
+    ("entropy (nats per token)", [("entropy", "entropy")]),
+    ("completion length (tokens)", [("completions/mean_length", "mean length")]),
 ]
 
 
@@ -28,37 +30,96 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, title: str = "GRPO training") -> str:
-    """Draw the six panels from per-step metric records (as in metrics.jsonl) into a PNG; returns its path."""
+def rolling(ys: Sequence[float], window: int) -> tuple[list[float], list[float]]:
+    """The mean and standard deviation of each value's trailing window (shorter at the start)."""
+    means, stds = [], []
+    for i in range(len(ys)):
+        part = [y for y in ys[max(0, i - window + 1) : i + 1] if not math.isnan(y)]
+        m = sum(part) / len(part) if part else math.nan
+        means.append(m)
+        stds.append(math.sqrt(sum((y - m) ** 2 for y in part) / len(part)) if part else math.nan)
+    return means, stds
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None and not math.isnan(r[key])]
+    return [s for s, _ in pairs], [y for _, y in pairs]
+
+
+def _informative(ys: Sequence[float]) -> bool:
+    return len(ys) > 0 and max(ys) - min(ys) > 1e-12 * max(1.0, abs(max(ys)))
+
+
+def plot_metrics(
+    records: Sequence[dict[str, Any]],
+    path: str | os.PathLike,
+    *,
+    title: str = "GRPO training",
+    before: dict[str, float] | None = None,
+) -> str:
+    """Draw the panels from per-step records (as in metrics.jsonl; `eval/<name>` keys where evaluated) into a PNG.
+    `before`: the held-out metrics before training, drawn at step 0. Returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, and never a GUI window from a training run
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7), constrained_layout=True)
-    steps = [r["step"] for r in records]
-    for ax, (name, curves, band) in zip(axes.flat, PANELS):
-        for key, label in curves:
-            ys = [r.get(key, math.nan) for r in records]
-            if all(y is None or math.isnan(y) for y in ys):
-                continue
-            ys = [math.nan if y is None else y for y in ys]
-            (line,) = ax.plot(steps, ys, label=label)
-            if band and key == curves[0][0]:
-                std = [r.get(band, 0.0) or 0.0 for r in records]
-                ax.fill_between(
-                    steps,
-                    [y - s for y, s in zip(ys, std)],
-                    [y + s for y, s in zip(ys, std)],
-                    color=line.get_color(),
-                    alpha=0.2,
-                )
-        ax.set_title(name)
+    draws = []
+    steps, acc = _series(records, "eval/accuracy")
+    if before is not None and "accuracy" in before:
+        steps, acc = [0, *steps], [before["accuracy"], *acc]
+    if acc:
+        draws.append(lambda ax: _held_out(ax, steps, acc, before is not None, PercentFormatter(1.0)))
+    window = max(1, round(len(records) / 12))
+    reward_keys = [k for k in ("reward", "accuracy") if _series(records, k)[1]]
+    if reward_keys:
+        draws.append(lambda ax: _rolling_panel(ax, records, reward_keys, window))
+    for name, curves in PANELS:
+        present = [(k, label) for k, label in curves if _informative(_series(records, k)[1])]
+        if present:
+            draws.append(lambda ax, name=name, present=present: _line_panel(ax, records, name, present))
+
+    cols = min(3, len(draws)) or 1
+    rows = math.ceil(len(draws) / cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.6 * rows), constrained_layout=True, squeeze=False)
+    for ax, draw in zip(axes.flat, draws):
+        draw(ax)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        if not isinstance(ax.yaxis.get_major_formatter(), PercentFormatter):
+            ax.ticklabel_format(axis="y", useOffset=False)  # 4.6055, not 0.0005 + 4.605
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(draws) :]:
+        ax.remove()
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+def _held_out(ax: Any, steps: list[int], acc: list[float], has_before: bool, formatter: Any) -> None:
+    ax.plot(steps, acc, marker="o", color="tab:green", label="held-out accuracy (greedy)")
+    if has_before:
+        ax.axhline(acc[0], color="gray", linestyle="--", linewidth=1, label=f"before GRPO: {acc[0]:.1%}")
+    ax.margins(y=0.12)
+    ax.set_title(f"held-out accuracy: {acc[0]:.1%} → {acc[-1]:.1%}" if has_before else "held-out accuracy")
+    ax.yaxis.set_major_formatter(formatter)
+
+
+def _rolling_panel(ax: Any, records: Sequence[dict[str, Any]], keys: list[str], window: int) -> None:
+    for key in keys:
+        steps, ys = _series(records, key)
+        mean, std = rolling(ys, window)
+        (line,) = ax.plot(steps, mean, label=f"{key} ({window}-step rolling mean)")
+        lo, hi = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.set_title("training reward (sampled completions)")
+
+
+def _line_panel(ax: Any, records: Sequence[dict[str, Any]], name: str, curves: list[tuple[str, str]]) -> None:
+    for key, label in curves:
+        ax.plot(*_series(records, key), label=label if len(curves) > 1 else None)
+    ax.set_title(name)

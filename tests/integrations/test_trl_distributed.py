@@ -36,8 +36,9 @@ def _check_rank(rank: int, model_dir: str, out: str) -> list[str]:
 
     verdicts = []
     for options in CASES:
-        fused_linear = functools.partial(FusedGRPOTrainer, use_fused_linear=True)
-        classes = (GRPOTrainer, FusedGRPOTrainer, fused_linear)
+        # the first-step self-check on too: TRL's own loss beside ours, its gathers and reductions over both ranks
+        fused = functools.partial(FusedGRPOTrainer, verify_first_step=True)
+        classes = (GRPOTrainer, fused, functools.partial(fused, use_fused_linear=True))
         trainers = [make_trainer(cls, model_dir, out, **options) for cls in classes]
         assert dist.is_initialized() and dist.get_world_size() == WORLD, "the trainers did not go distributed"
         for trainer in trainers:
@@ -47,6 +48,7 @@ def _check_rank(rank: int, model_dir: str, out: str) -> list[str]:
         for mode, trainer in zip(("logits", "fused-linear"), trainers[1:]):
             try:
                 assert_same(reference, loss_grads_metrics(trainer, batch))
+                assert trainer.first_step_report is not None and not trainer.first_step_report.problems
                 verdicts.append("ok")
             except AssertionError as err:
                 verdicts.append(f"{mode} {options}: {err}")

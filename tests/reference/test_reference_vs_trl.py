@@ -16,11 +16,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trl.trainer.grpo_trainer import GRPOTrainer
-from trl.trainer.utils import selective_log_softmax_and_entropy
 
 from reference import reference_grpo_loss
 from reference.grpo import IS_LEVELS, LOSS_TYPES
+
+try:  # trl missing or not importable (a GPU machine without it): skip this module, don't abort the collection
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+except ImportError as err:
+    pytest.skip(f"trl does not import: {err}", allow_module_level=True)
 
 RTOL = 1e-10  # both sides are float64; they differ only by the order of a few float operations
 TRL_ONLY_METRICS = {"entropy_coef"}  # logged by TRL's entropy-coefficient controller, not a loss quantity

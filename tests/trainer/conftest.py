@@ -57,7 +57,7 @@ def tiny_values(model_dir, dataset_file, output_dir, **overrides) -> dict:
 
 
 def tiny_config(model_dir, dataset_file, output_dir, **overrides) -> TrainConfig:
-    return TrainConfig(**tiny_values(model_dir, dataset_file, output_dir, **overrides))
+    return TrainConfig.from_flat(tiny_values(model_dir, dataset_file, output_dir, **overrides))
 
 
 def tiny_argv(model_dir, dataset_file, output_dir, **overrides) -> list[str]:

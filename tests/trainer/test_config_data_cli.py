@@ -2,6 +2,7 @@
 
 import csv
 import json
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -10,7 +11,12 @@ import torch
 
 from grpo_kernels import LossConfig
 from grpo_kernels.cli import build_parser, main
-from grpo_kernels.trainer.checkpoint import latest_checkpoint, list_checkpoints, remove_partial_checkpoints
+from grpo_kernels.trainer.checkpoint import (
+    COMPLETE_MARKER,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_partial_checkpoints,
+)
 from grpo_kernels.trainer.config import LOOP_SET_LOSS_OPTIONS, TrainConfig
 from grpo_kernels.trainer.data import R1_SYSTEM_PROMPT, load_rows, prompt_indices, render_prompt
 from grpo_kernels.trainer.demo import build_char_tokenizer
@@ -19,11 +25,16 @@ from grpo_kernels.trainer.plotting import plot_metrics
 from .conftest import tiny_argv
 
 
-def test_every_loss_option_is_a_config_field_and_a_flag():
-    config_fields = {f.name for f in fields(TrainConfig)}
-    missing = set(LossConfig.option_names()) - set(LOOP_SET_LOSS_OPTIONS) - config_fields
-    assert not missing
-    assert config_fields <= set(vars(build_parser().parse_args(["train"])))
+def test_every_loss_option_is_a_flag_and_reaches_the_loss_config():
+    flags = set(vars(build_parser().parse_args(["train"])))
+    assert set(LossConfig.option_names()) - set(LOOP_SET_LOSS_OPTIONS) <= flags
+    assert {f.name for f in fields(TrainConfig)} - {"loss"} <= flags
+    args = vars(build_parser().parse_args(["train", "--beta", "0.5", "--vespo-k-neg", "4", "--temperature", "0.7"]))
+    cfg = TrainConfig.from_flat({k: v for k, v in args.items() if k != "command"})
+    assert isinstance(cfg.loss, LossConfig)
+    assert (cfg.loss.beta, cfg.loss.vespo_k_neg, cfg.loss.temperature) == (0.5, 4.0, 0.7)  # sampling shares it
+    assert cfg.loss.max_completion_length == cfg.max_completion_length
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # as a checkpoint saves and reads it
 
 
 def test_flags_parse_into_the_config():
@@ -52,6 +63,9 @@ def test_flags_parse_into_the_config():
     "bad, message",
     [
         ({"num_generations": 0}, "num_generations must be >= 1"),
+        ({"num_generations": 1}, "num_generations must be >= 2.*a group of one has advantage 0"),
+        ({"beta": -1.0}, "beta must be >= 0.*negative beta would reward moving away"),
+        ({"resume": True, "overwrite": True}, "resume and overwrite exclude each other"),
         ({"loss_type": "ppo"}, "loss_type must be one of"),
         ({"temperature": 0.0}, "temperature must be > 0"),
         ({"scale_rewards": "std"}, "scale_rewards must be"),
@@ -60,7 +74,7 @@ def test_flags_parse_into_the_config():
 )
 def test_config_rejects_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**bad)
+        TrainConfig.from_flat(bad)
 
 
 def test_load_rows_from_jsonl_csv_parquet_with_column_mapping(tmp_path):
@@ -99,31 +113,54 @@ def test_prompt_order_is_a_function_of_step_and_seed():
 
 
 def test_partial_checkpoints_are_never_picked(tmp_path):
-    for name in ("checkpoint-2", "checkpoint-10", ".tmp-checkpoint-11-abc", "checkpoint-x"):
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12", ".tmp-checkpoint-11-abc", "checkpoint-x"):
         (tmp_path / name).mkdir()
+    for name in ("checkpoint-2", "checkpoint-10"):  # complete: with their marker; checkpoint-12 lacks it
+        (tmp_path / name / COMPLETE_MARKER).write_text("\n")
+    (tmp_path / ".deleting-checkpoint-1").mkdir()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10"]
     assert latest_checkpoint(tmp_path).name == "checkpoint-10"
     remove_partial_checkpoints(tmp_path)
-    assert not (tmp_path / ".tmp-checkpoint-11-abc").exists()
+    assert not (tmp_path / ".tmp-checkpoint-11-abc").exists() and not (tmp_path / ".deleting-checkpoint-1").exists()
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_plot_leads_with_held_out_accuracy_and_leaves_out_flat_panels(tmp_path, monkeypatch):
+    import matplotlib.figure
+
     records = [
         {
             "step": s,
             "reward": 0.1 * s,
-            "reward_std": 0.1,
             "accuracy": 0.05 * s,
-            "loss": 0.01,
+            "loss": 0.01 * s,
             "kl": 0.001 * s,
-            "clip_ratio/region_mean": 0.0,
-            "entropy": 1.0,
-            "completions/mean_length": 20,
+            "clip_ratio/region_mean": 0.0,  # mu = 1: always 0, a panel with nothing to show
+            "entropy": 4.6055 + 1e-5 * s,  # a narrow range, which matplotlib would label as an offset
+            "completions/mean_length": 20,  # constant too
+            **({"eval/accuracy": 0.4 + 0.05 * s} if s % 2 == 0 else {}),
         }
-        for s in range(1, 6)
+        for s in range(1, 3)  # two steps: matplotlib's own ticks would be 1.0, 1.2, ... 2.0
     ]
-    path = plot_metrics(records, tmp_path / "curves.png")
+    figures = []
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def saving(fig, *args, **kwargs):
+        figures.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", saving)
+    path = plot_metrics(records, tmp_path / "curves.png", before={"accuracy": 0.4})
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = figures[0].axes
+    titles = [ax.get_title() for ax in axes]
+    assert titles[0] == "held-out accuracy: 40.0% → 50.0%"  # step 0 (before), then the evaluations
+    assert titles[1].startswith("training reward")
+    assert not any("clip" in t or "length" in t for t in titles)
+    assert [list(line.get_xdata()) for line in axes[0].get_lines()][0] == [0, 2]
+    figures[0].canvas.draw()
+    for ax in axes:
+        assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_title()  # whole steps only
+        assert ax.yaxis.get_offset_text().get_text() == "", ax.get_title()  # no "+4.6055" above the axis
 
 
 def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch, dataset_file):
@@ -181,3 +218,49 @@ def test_cli_train_on_a_saved_model_folder(model_dir, dataset_file, tmp_path, ca
     saved = json.loads((tmp_path / "checkpoint-1" / "train_config.json").read_text())
     assert saved["lora_target_modules"] == "q_proj,v_proj"
     assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=False)["step"] == 1
+
+
+def test_data_errors_are_one_line_naming_the_file_and_the_problem(model_dir, tmp_path, capsys):
+    empty, bad, rows = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl", tmp_path / "rows.jsonl"
+    empty.write_text("")
+    good = '{"prompt": "1+1=", "answer": "2"}\n'
+    bad.write_text(good + good + '{"prompt": "3+3=", "answer"\n')  # row 3 is cut off after its last key
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cases = [
+        (empty, [], f"dataset {str(empty)!r} is empty (0 bytes)"),
+        (bad, [], f"dataset {str(bad)!r}: row 3 is not valid JSON (Expecting ':' delimiter at column 28)"),
+        (
+            rows,
+            ["--answer-column", "solution", "--reward-funcs", "accuracy"],
+            f"reward 'accuracy' needs the dataset's 'solution' column (--answer-column), which dataset {str(rows)!r} "
+            "lacks; its columns: ['answer', 'prompt']",
+        ),
+    ]
+    # a 1-step run of tiny completions, should a check be missing
+    small = ["--max-steps", "1", "--num-generations", "2", "--max-completion-length", "4", "--no-progress"]
+    for path, flags, message in cases:
+        argv = ["train", "--model", str(model_dir), "--dataset", str(path), "--output-dir", str(tmp_path / path.stem)]
+        argv += small
+        assert main([*argv, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"grpo-kernels train: error: {message}"]
+
+
+def test_help_lists_the_data_formats_and_a_reward_of_your_own(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for fmt in (".jsonl (one JSON object per line)", ".json", ".csv (a header row)", ".parquet", "hub dataset"):
+        assert fmt in text
+    assert "--reward-funcs myrewards:digit_reward,format calls digit_reward from ./myrewards.py" in text
+
+
+def test_a_module_function_reward_resolves_from_the_current_folder(tmp_path, monkeypatch):
+    from grpo_kernels.trainer.data import load_reward_funcs
+
+    (tmp_path / "cwd_rewards_probe.py").write_text("def digit_reward(completions, **columns):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])  # as a console script
+    (func,) = load_reward_funcs("cwd_rewards_probe:digit_reward")
+    assert func(["x"]) == [1.0]
+    assert str(tmp_path) not in sys.path  # the lookup leaves sys.path as it found it

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from grpo_kernels.trainer import loop, train
+from grpo_kernels.trainer import loop, model, train
 from grpo_kernels.trainer.checkpoint import ADAPTER_FILE, list_checkpoints
 
 from .conftest import tiny_argv, tiny_config
@@ -233,7 +233,7 @@ def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir:
         calls.append([torch.is_grad_enabled(), type(model).__name__])
         return real(model, *args, **kwargs)
 
-    loop.completion_logits = recording
+    loop.completion_logits = model.completion_logits = recording  # the update's forwards and the log-probs'
     try:
         cfg = tiny_config(
             model_dir,

@@ -1,6 +1,6 @@
-"""What every benchmark script here shares: quantiles, the machine and versions it ran on, peak memory, and the
-JSON + markdown + PNG it leaves in benchmarks/results/. Imports nothing heavier than torch, so a script stays
-importable where a contender (trl, liger-kernel) is missing.
+"""The ground every benchmark stands on: quantiles, the machine, versions and git revision it ran on, peak host
+memory, and atomic writes of the files it leaves in benchmarks/results/. Imports nothing heavier than torch, so a
+script stays importable where a contender (trl, liger-kernel) is missing.
 """
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = Path(__file__).resolve().parent.parent
+RESULTS_DIR = BENCH_DIR / "results"
+REPO_ROOT = BENCH_DIR.parent
+# Where the revision comes from on a machine the checkout reached without its .git (a GPU machine): this variable,
+# else the file benchmarks/fetch_wheels.sh writes beside the wheels it fetches (that folder travels with the run).
+REVISION_ENV = "GRPO_BENCH_GIT_REVISION"
+REVISION_FILE = BENCH_DIR / ".wheels" / "REVISION"
 
 # Packages whose versions go into every result file; None where not installed (a contender is then "missing").
 PACKAGES = ("torch", "triton", "trl", "liger-kernel", "transformers", "grpo-kernels", "numpy", "matplotlib")
@@ -74,7 +79,20 @@ def versions() -> dict[str, str | None]:
 
 
 def git_revision() -> str | None:
-    """HEAD of this checkout, with '+dirty' when the working tree differs from it (numbers from uncommitted code)."""
+    """HEAD of this checkout, with '+dirty' when the working tree differs from it (numbers from uncommitted code);
+    without a .git, the revision recorded before the checkout travelled (REVISION_ENV, then REVISION_FILE)."""
+    return _git_head() or os.environ.get(REVISION_ENV) or _recorded_revision()
+
+
+def _recorded_revision() -> str | None:
+    try:
+        text = REVISION_FILE.read_text().strip()
+    except OSError:
+        return None
+    return f"{text} (recorded by fetch_wheels.sh)" if text else None
+
+
+def _git_head() -> str | None:
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True

@@ -1,0 +1,421 @@
+"""The trainer's side of the sandbox: the entry points, the plan this machine allows, a run and its watch.
+
+A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
+seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
+(with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import secrets
+import select
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import BinaryIO
+
+from . import wire
+from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
+from .plan import Plan, cgroup_parent, describe, landlock_abi_of_kernel, remove_cgroup, world_reachable, write
+from .restrict import SETUP_FAILED, SYSCALLS
+
+_HERE = str(Path(__file__).resolve().parent)
+_STUB = "import sys; sys.path.insert(0, sys.argv[1]); import {0}; {0}.main()"
+# The judge starts without `site` (its .pth hooks cost more than the rest of its start) and imports the tests'
+# third-party modules from these folders.
+_SITE = [*site.getsitepackages(), site.getusersitepackages()]
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout: float = 5.0  # wall-clock seconds of the whole run, interpreter start included
+    cpu_seconds: int = 5  # per process
+    memory_mb: int = 512  # the whole sample (see `isolation()["memory"]`); also each process's address space
+    max_processes: int = 16  # processes and threads of the sample (see `isolation()["processes"]`)
+    disk_mb: int = 64  # the sample's private working folder
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    max_output_bytes: int = 64_000  # of stdout and of stderr kept in the result (the tail)
+
+
+@dataclass
+class SandboxResult:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    passed: bool  # a program: it exited with status 0; tests: the judge saw them run to their end
+    uid: int | None = None  # the fresh uid it ran under (as root), None when it ran as the caller
+    limit: str | None = None  # "time", "memory" or "disk" when the run was stopped for that limit
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What this machine allows
+
+
+_PLAN_LOCK = threading.Lock()
+
+
+def _plan() -> Plan:
+    with _PLAN_LOCK:  # concurrent first runs (a reward's thread pool) probe once
+        return _probe_plan()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_plan() -> Plan:
+    """The strongest set of layers this machine supports, each confirmed by running a trivial program under it."""
+    root = os.geteuid() == 0
+    python, drop_uid = sys.executable, False
+    if root:
+        for candidate in (
+            sys.executable,
+            getattr(sys, "_base_executable", ""),
+            "/usr/bin/python3",
+            "/usr/local/bin/python3",
+        ):
+            if candidate and os.path.exists(candidate) and world_reachable(candidate):
+                python, drop_uid = candidate, True
+                break
+    namespaces = {"user_ns": not root, "pid_ns": True, "mount_ns": True, "net_ns": True}
+    plan = Plan(
+        python, drop_uid, **namespaces, landlock_abi=landlock_abi_of_kernel(), seccomp=platform.machine() in SYSCALLS,
+        cgroup=cgroup_parent() if root else None,
+    )  # fmt: skip
+    no_ns = {k: False for k in namespaces}
+    for weaker in (
+        plan,
+        replace(plan, cgroup=None),
+        replace(plan, cgroup=None, seccomp=False),
+        replace(plan, cgroup=None, **no_ns),  # seccomp needs no privilege: keep it where namespaces fail
+        replace(plan, cgroup=None, seccomp=False, **no_ns),
+        replace(plan, cgroup=None, seccomp=False, landlock_abi=0, **no_ns),
+        replace(plan, cgroup=None, seccomp=False, landlock_abi=0, drop_uid=False, **no_ns),
+    ):
+        try:
+            works = _run(weaker, "print(6 * 7)", SandboxLimits(timeout=30)).passed
+        except OSError:  # e.g. a cgroup that refuses its limits
+            works = False
+        if works:
+            return weaker
+    raise RuntimeError("the sandbox cannot run even a trivial program on this machine")
+
+
+def isolation() -> dict[str, object]:
+    """Which layers protect sandboxed code on this machine, and what each limit guarantees under them."""
+    return describe(_plan())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def run_python(source: str, *, limits: SandboxLimits | None = None, stdin: str | bytes = b"") -> SandboxResult:
+    """Run `source` as a program in the sandbox, `stdin` as its input; `passed` when it exits with status 0."""
+    return _run(_plan(), source, limits or SandboxLimits(), stdin=stdin)
+
+
+def run_tests(solution: str, tests: str, *, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Judge `solution` by `tests` (Python source, e.g. asserts): the solution runs in the sandbox, the tests in a
+    judge process that reaches the solution's top-level names through proxies (plain data each way, see `wire`).
+    `passed` only when the tests ran to their end in the judge."""
+    return _run(_plan(), solution, limits or SandboxLimits(), tests=tests)
+
+
+def normalize_output(text: str) -> list[str]:
+    """Output as the stdin/stdout form compares it: lines with runs of whitespace collapsed, outer blank lines gone."""
+    return [" ".join(line.split()) for line in text.strip().splitlines()]
+
+
+def run_stdio(
+    program: str,
+    cases: Sequence[tuple[str, str]],
+    *,
+    limits: SandboxLimits | None = None,
+    time_limit: float | None = None,
+    stop_at_first_failure: bool = False,
+) -> list[bool]:
+    """Run `program` once per (input, expected output) case, each in a process of its own inside one sandbox, with
+    `time_limit` seconds of wall clock each (else `limits.timeout`); a case passes when the program exits 0 and its
+    output equals the expected one after `normalize_output`. The comparison happens here, in the caller, which never
+    sends the expected outputs into the sandbox."""
+    limits = limits or SandboxLimits()
+    seconds = limits.timeout if time_limit is None else time_limit
+    limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))
+    expected = [normalize_output(out) for _, out in cases]
+    verdicts: list[bool] = []
+
+    def judge(i: int, report: dict) -> bool:
+        ok = report.get("status") == 0 and not report.get("timed_out") and not report.get("cut")
+        verdicts.append(ok and normalize_output(str(report.get("stdout", ""))) == expected[i])
+        return verdicts[-1]
+
+    room = max(limits.max_output_bytes, 2 * max((len(out) for _, out in cases), default=0) + 4096)
+    work = Cases([given for given, _ in cases], seconds, room, judge, stop_at_first_failure)
+    _run(_plan(), program, limits, cases=work)
+    return verdicts + [False] * (len(cases) - len(verdicts))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One run
+
+
+def _run(
+    plan: Plan,
+    program: str,
+    limits: SandboxLimits,
+    *,
+    tests: str | None = None,
+    stdin: str | bytes = b"",
+    cases: Cases | None = None,
+) -> SandboxResult:
+    uid = 1_000_000_000 + secrets.randbelow(1_000_000_000) if plan.drop_uid else None  # owns no file, no process
+    rlimits = {
+        "RLIMIT_CORE": 0,
+        "RLIMIT_CPU": limits.cpu_seconds,
+        "RLIMIT_AS": limits.memory_mb * 2**20,
+        "RLIMIT_FSIZE": limits.max_file_mb * 2**20,
+        "RLIMIT_NOFILE": limits.max_open_files,
+        # every process of the real uid counts: a fresh uid starts at 0, the user's own at its current count
+        "RLIMIT_NPROC": limits.max_processes + (0 if uid is not None else count_tasks(os.getuid())),
+    }
+    pipes: list[int] = []
+
+    def pipe() -> tuple[int, int]:
+        r, w = os.pipe()
+        pipes.extend((r, w))
+        return r, w
+
+    workdir = tempfile.mkdtemp(prefix=f"grpo-sandbox-{os.getpid()}-")
+    cgroup = None
+    procs: list[subprocess.Popen] = []
+    try:
+        cgroup = sample_cgroup(plan, limits.memory_mb * 2**20, limits.max_processes)
+        with _memory_file() as out, _memory_file() as err, _memory_file() as given:
+            given.write(stdin.encode() if isinstance(stdin, str) else stdin)
+            given.seek(0)
+            job_r, job_w = pipe()
+            status_r, status_w = pipe()
+            fds = []
+            if cases is not None:
+                reports_r, reports_w = pipe()
+                fds = [reports_w]
+            if tests is not None:
+                calls_r, calls_w = pipe()
+                replies_r, replies_w = pipe()
+                verdict_r, verdict_w = pipe()
+                fds = [calls_r, replies_w]
+            job = {
+                "mode": "functions" if tests is not None else "cases" if cases is not None else "program",
+                "program": program,
+                "uid": uid,
+                "workdir": workdir,
+                "rlimits": rlimits,
+                "namespaces": {"user": plan.user_ns, "pid": plan.pid_ns, "mount": plan.mount_ns, "net": plan.net_ns},
+                "disk_bytes": limits.disk_mb * 2**20,
+                "memory_bytes": None if cgroup else limits.memory_mb * 2**20,
+                "landlock_abi": plan.landlock_abi,
+                "seccomp": plan.seccomp,
+                "fds": fds,
+                "status_fd": status_w,
+            }
+            if cases is not None:
+                job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+            start = time.monotonic()
+            sandbox = subprocess.Popen(
+                [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(job_r)],
+                stdin=given, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True,
+                pass_fds=[job_r, status_w, *fds],
+            )  # fmt: skip
+            procs.append(sandbox)
+            if cgroup:
+                write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
+            judge_out = None
+            if tests is not None:
+                judge_out = _memory_file()
+                nonce = secrets.token_hex(16)
+                judge = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-B", "-c", _STUB.format("judge"), _HERE],
+                    stdin=subprocess.PIPE, stdout=judge_out, stderr=judge_out, cwd="/", start_new_session=True,
+                    env={"PATH": env["PATH"], "LANG": "C.UTF-8"}, pass_fds=[calls_w, replies_r, verdict_w],
+                )  # fmt: skip
+                procs.append(judge)
+            for fd in (job_r, status_w, *fds, *((calls_w, replies_r, verdict_w) if tests is not None else ())):
+                _close(fd, pipes)
+            _feed(job_w, json.dumps(job).encode(), pipes)
+            if tests is not None:
+                _feed_judge(
+                    judge, {"tests": tests, "nonce": nonce, "fds": [calls_w, replies_r, verdict_w], "path": _SITE}
+                )
+            deadline = start + limits.timeout
+            watch_disk = None if plan.mount_ns else limits.disk_mb * 2**20
+            if cases is not None:
+                over_disk = _collect(cases, reports_r, deadline, workdir, watch_disk)
+                verdict, timed_out = None, False
+            else:
+                verdict, over_disk = _wait(
+                    sandbox, verdict_r if tests is not None else None, deadline, workdir, watch_disk
+                )
+                timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
+            kill_run(procs, cgroup, uid, plan)
+            code = sandbox.returncode
+            over_memory = os.read(status_r, 64) == b"memory\n"  # every writer is dead: this cannot block
+            stdout, stderr = _tail(out, limits.max_output_bytes), _tail(err, limits.max_output_bytes)
+            if judge_out is not None:
+                judge_text = _tail(judge_out, limits.max_output_bytes)
+                judge_out.close()
+                stderr += judge_text
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        while pipes:  # the ends still open when a run stopped early
+            _close(pipes[-1], pipes)
+        if cgroup:
+            remove_cgroup(cgroup)
+        shutil.rmtree(workdir, ignore_errors=True)
+    limit = "time" if timed_out else "disk" if over_disk else None
+    if over_memory or (cgroup and oom_killed(cgroup)):
+        limit = "memory"
+    if code == SETUP_FAILED and "sandbox setup failed" in stderr:
+        timed_out = False
+    if tests is None:
+        passed = not timed_out and not over_disk and code == 0
+    else:
+        ok = isinstance(verdict, dict) and verdict.get("nonce") == nonce and verdict.get("passed") is True
+        passed = ok and not timed_out and not over_disk
+        if isinstance(verdict, dict) and verdict.get("error"):
+            stderr += str(verdict["error"])
+    return SandboxResult(code, stdout, stderr, timed_out, passed, uid, limit)
+
+
+@dataclass
+class Cases:
+    """The stdin/stdout form within one run: the inputs go in, one report per case comes back in `reports`."""
+
+    inputs: list[str]
+    seconds: float  # wall clock per case, timed by the sandbox's runner and, with `_GRACE`, here
+    output_bytes: int
+    judge: Callable[[int, dict], bool]  # a case's verdict from its report; False ends the run when `stop` is set
+    stop: bool = False
+    reports: list[dict] = field(default_factory=list)
+
+
+_GRACE = 1.0  # seconds a case's report may come after its time limit before the whole run is stopped
+
+
+def _collect(cases: Cases, fd: int, deadline: float, workdir: str, watch_disk: int | None) -> bool:
+    """Read the case reports until all came, one came late, or a verdict stops the run: over the disk quota?
+    Each report must arrive within its case's limit (and `_GRACE`) of the one before, `deadline` for the first:
+    the runner inside the sandbox times the cases, and this is the check that does not trust it."""
+    reader = wire.Reader(fd)
+    due = deadline + cases.seconds
+    while len(cases.reports) < len(cases.inputs):
+        left = due - time.monotonic()
+        if left <= 0:
+            return False
+        if not select.select([fd], [], [], min(left, 0.02) if watch_disk is not None else left)[0]:
+            if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
+                return True
+            continue
+        try:
+            report = reader.receive()
+        except wire.NotPlain:
+            return False
+        if report is None or report.get("case") != len(cases.reports):
+            return False
+        cases.reports.append(report)
+        if not cases.judge(len(cases.reports) - 1, report) and cases.stop:
+            return False
+        due = time.monotonic() + cases.seconds + _GRACE
+    return False
+
+
+def _close(fd: int, pipes: list[int]) -> None:
+    if fd in pipes:
+        pipes.remove(fd)
+        os.close(fd)
+
+
+def _feed(fd: int, data: bytes, pipes: list[int]) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BrokenPipeError:
+        pass  # it died before reading its job; its status tells
+    _close(fd, pipes)
+
+
+def _feed_judge(judge: subprocess.Popen, job: dict) -> None:
+    try:
+        judge.stdin.write(json.dumps(job).encode())
+        judge.stdin.close()
+    except BrokenPipeError:
+        pass
+
+
+def _wait(
+    sandbox: subprocess.Popen, verdict_fd: int | None, deadline: float, workdir: str, watch_disk: int | None
+) -> tuple[dict | None, bool]:
+    """Wait for the verdict (tests) or the program's end, until `deadline`: (the verdict, over the disk quota)."""
+    buffer = b""
+    while (left := deadline - time.monotonic()) > 0:
+        step = min(left, 0.02) if watch_disk is not None else left
+        if verdict_fd is None:
+            try:
+                sandbox.wait(timeout=step)
+                return None, False
+            except subprocess.TimeoutExpired:
+                pass
+        elif select.select([verdict_fd], [], [], step)[0]:
+            chunk = os.read(verdict_fd, 1 << 16)
+            buffer += chunk
+            if not chunk or b"\n" in buffer or len(buffer) > 1 << 20:
+                try:
+                    return json.loads(buffer.split(b"\n", 1)[0]), False
+                except ValueError:
+                    return {}, False
+        if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
+            return None, True
+    return None, False
+
+
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _memory_file() -> BinaryIO:
+    """A file in memory, not on any disk: what the sample writes to stdout and stderr cannot fill a folder of ours
+    (RLIMIT_FSIZE bounds it, as any file the sample writes)."""
+    return open(os.memfd_create("grpo-sandbox", os.MFD_CLOEXEC), "w+b")
+
+
+def _tail(f: BinaryIO, limit: int) -> str:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - limit))
+    return f.read().decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cleanup: every process of the run dies before it returns

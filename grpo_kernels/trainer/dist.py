@@ -1,0 +1,94 @@
+"""Data-parallel processes for the trainer: join torchrun's group, gather and reduce small tensors, wrap in DDP.
+
+A single process is rank 0 of a world of 1, and every helper here is then the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..distributed import comm_device
+
+
+@dataclass
+class Dist:
+    """This process's place in a data-parallel run: rank 0 of 1 when single-process."""
+
+    rank: int = 0
+    world: int = 1
+    owns_group: bool = False  # this run called init_process_group, so it also tears it down
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA); else a single process.
+    A group someone else initialized (the caller of `train`) is used as it is and left alone."""
+    if dist.is_available() and dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size())
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def rank_device(device: torch.device, ctx: Dist) -> torch.device:
+    """The device of this rank: under torchrun a bare "cuda" becomes the rank's own GPU (LOCAL_RANK)."""
+    if ctx.active and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ctx.rank % torch.cuda.device_count())))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def barrier(ctx: Dist) -> None:
+    if ctx.active:
+        dist.barrier()
+
+
+def gather_cat(x: torch.Tensor, ctx: Dist) -> torch.Tensor:
+    """The ranks' equally shaped tensors concatenated along dim 0 in rank order (x itself when single-process)."""
+    if not ctx.active:
+        return x
+    y = x.contiguous().to(comm_device(None, x.device))
+    parts = [torch.empty_like(y) for _ in range(ctx.world)]
+    dist.all_gather(parts, y)
+    return torch.cat(parts).to(x.device)
+
+
+def all_reduce_(x: torch.Tensor, ctx: Dist, op: Any = None) -> torch.Tensor:
+    """x reduced over the ranks (sum unless `op`), in place where the backend allows; x when single-process."""
+    if not ctx.active:
+        return x
+    y = x.to(comm_device(None, x.device))
+    dist.all_reduce(y, op=dist.ReduceOp.SUM if op is None else op)
+    return y.to(x.device)
+
+
+def any_rank(flag: bool, ctx: Dist) -> bool:
+    """True on every rank when `flag` is true on any (so that all ranks stop at the same step)."""
+    return bool(all_reduce_(torch.tensor(float(flag)), ctx, dist.ReduceOp.MAX if ctx.active else None).item())
+
+
+def wrap_ddp(model: Any, device: torch.device, ctx: Dist) -> Any:
+    """The model that the policy update runs: a DistributedDataParallel wrapper when multi-process, else the model
+    itself. Sampling, old/ref log-probs and saving keep using the unwrapped model.
+
+    DDP's construction broadcasts rank 0's parameters and buffers, the frozen base weights included (a one-time
+    copy of the model), so every rank starts from the same adapter whatever its own initialization or checkpoint
+    did; its reducer then all-reduces and averages the trainable, LoRA, gradients only."""
+    if not ctx.active:
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -1,0 +1,106 @@
+"""One rollout batch: sample G completions per prompt, score them, group-normalize the rewards, and compute the old
+and reference log-probs the loss needs (the reference is the model with its adapter disabled)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import group_advantages
+from ..rewards import RewardFunc, combine_rewards, reward_name
+from .config import TrainConfig
+from .data import columns_for, render_prompt, resolve_system_prompt
+from .dist import Dist, all_reduce_, gather_cat
+from .model import per_token_logp
+from .sampling import decode_completions, generate
+
+
+@dataclass
+class Rollout:
+    """One rollout batch of N = B·G sequences; the prompt part is left-padded to P tokens."""
+
+    input_ids: torch.Tensor  # [N, P+T]
+    attention_mask: torch.Tensor  # [N, P+T]
+    completion_ids: torch.Tensor  # [N, T]
+    completion_mask: torch.Tensor  # [N, T] float, 0 after EOS (and for truncated completions when masked)
+    advantages: torch.Tensor  # [N]
+    old_logp: torch.Tensor | None  # [N, T], None when num_iterations == 1 (ratio exactly 1)
+    ref_logp: torch.Tensor | None  # [N, T], None when beta == 0
+    metrics: dict[str, float]
+
+
+def rollout(
+    model: Any,
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    cfg: TrainConfig,
+    reward_funcs: list[RewardFunc],
+    weights: list[float],
+    *,
+    seeds: list[int] | None = None,
+    ctx: Dist | None = None,
+) -> Rollout:
+    """Sample, score and prepare one rollout batch. Under torchrun `rows` is this rank's shard of the step's prompts
+    (whole groups, equal shards in rank order): the rewards are gathered so that the advantages (any `scale_rewards`)
+    and the logged metrics are those of the whole batch; the returned tensors are this rank's part."""
+    ctx = ctx or Dist()
+    system = resolve_system_prompt(cfg.system_prompt)
+    prompts = [render_prompt(tokenizer, row["prompt"], system, use_chat_template=cfg.chat_template) for row in rows]
+    g = cfg.num_generations
+    t0 = time.perf_counter()
+    samples = generate(model, tokenizer, prompts, cfg, seeds=seeds)
+    gen_time = time.perf_counter() - t0
+    completion_ids, completion_mask, truncated = samples.completion_ids, samples.completion_mask, samples.truncated
+    num_tokens = completion_mask.sum(1)  # [N]
+    completions = decode_completions(tokenizer, samples)
+
+    columns = columns_for(rows, g)
+    total, per_func = combine_rewards(
+        reward_funcs, completions, weights, prompts=[p for p in prompts for _ in range(g)], **columns
+    )
+    local_n = len(total)
+    rewards = gather_cat(torch.tensor(total, dtype=torch.float32), ctx)  # [N] of the whole batch
+    advantages = group_advantages(rewards, g, scale=cfg.scale_rewards)
+    advantages = advantages[ctx.rank * local_n : (ctx.rank + 1) * local_n].to(completion_ids.device)
+
+    loss_mask = completion_mask.clone()
+    if cfg.mask_truncated_completions:
+        loss_mask[truncated] = 0.0
+    input_ids = torch.cat([samples.prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([samples.prompt_mask, completion_mask.long()], 1)
+    old_logp = ref_logp = None
+    if cfg.num_iterations > 1:  # μ > 1: the ratio is against the sampling policy
+        old_logp = per_token_logp(model, input_ids, attention_mask, completion_ids, cfg)
+    if cfg.loss.beta != 0.0:
+        with model.disable_adapter():  # the reference policy: the frozen base weights
+            ref_logp = per_token_logp(model, input_ids, attention_mask, completion_ids, cfg)
+
+    grouped = rewards.view(-1, g)
+    num_tokens = gather_cat(num_tokens.float().cpu(), ctx)
+    truncated = gather_cat(truncated.cpu(), ctx)
+    gen_time = all_reduce_(torch.tensor(gen_time, dtype=torch.float64), ctx, dist.ReduceOp.MAX).item()
+    metrics = {
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "frac_reward_zero_std": (grouped.std(1) == 0).float().mean().item() if g > 1 else 1.0,
+        "completions/mean_length": num_tokens.mean().item(),
+        "completions/min_length": num_tokens.min().item(),
+        "completions/max_length": num_tokens.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "tokens_per_s": num_tokens.sum().item() / max(gen_time, 1e-9),
+        "time/generate_s": gen_time,
+    }
+    for func, values in zip(reward_funcs, per_func):
+        v = gather_cat(torch.tensor(values, dtype=torch.float32), ctx)
+        applicable = v[~v.isnan()]
+        name = reward_name(func)
+        metrics[f"rewards/{name}/mean"] = applicable.mean().item() if applicable.numel() else math.nan
+        metrics[f"rewards/{name}/std"] = applicable.std().item() if applicable.numel() > 1 else 0.0
+        if name == "accuracy":
+            metrics["accuracy"] = metrics[f"rewards/{name}/mean"]
+    return Rollout(input_ids, attention_mask, completion_ids, loss_mask, advantages, old_logp, ref_logp, metrics)
