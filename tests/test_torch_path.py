@@ -10,15 +10,8 @@ from grpo_kernels import GRPOLoss, grpo_loss, selective_log_softmax
 from grpo_kernels.ops import torch_rows
 from reference import reference_selective_log_softmax
 
-from .oracle_check import (
-    TOLERANCES,
-    assert_close,
-    assert_grad_close,
-    cases,
-    check_case,
-    check_masked_inputs_are_absent,
-    masked_sentinel_cases,
-)
+from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
+from .oracle_check import check_masked_inputs_are_absent, masked_sentinel_cases
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
