@@ -182,7 +182,8 @@ def grpo_loss(
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
         completion_ids: [B, T] int32/int64 in [0, V).
         advantages: [B], [B, 1] or [B, T].
-        completion_mask: [B, T] bool/int/float, 1 = a token that counts; default all ones.
+        completion_mask: [B, T] bool/int/float of 0/1, 1 = a token that counts; default all ones. A masked token is
+            absent: whatever its logits row and per-token inputs hold (NaN, ±inf), it changes nothing.
         old_logp: [B, T] log-probs of the policy that sampled; None = the detached current ones (ratio 1).
         ref_logp: [B, T] reference log-probs; required when beta != 0.
         importance_sampling_ratio: [B], [B, 1] or [B, T] rollout-engine correction ρ (a constant factor).
@@ -203,7 +204,8 @@ def grpo_loss(
             epsilon_low, epsilon_high, delta, temperature, importance_sampling_level ("token" | "sequence"),
             use_bias_correction_kl, max_completion_length, num_items_in_batch, sapo_temperature_pos/neg,
             vespo_k_pos/neg, vespo_lambda_pos/neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef
-            (see `LossConfig`; defaults as in TRL's GRPOConfig). Validated once, here, into one `LossConfig`.
+            (see `LossConfig`; defaults as in TRL's GRPOConfig), check_inputs (raise on NaN/inf at unmasked
+            tokens, logits included). Validated once, here, into one `LossConfig`.
     Returns:
         GRPOOutput(loss, logp, entropy, metrics).
 

@@ -95,7 +95,10 @@ class LossConfig:
             )
         object.__setattr__(self, "temperature", temperature)
         if self.beta < 0:
-            raise ValueError(f"beta must be >= 0 (the KL penalty's weight), got {self.beta}")
+            raise ValueError(
+                f"beta must be >= 0, got {self.beta}: it weighs the KL penalty that keeps the policy near the "
+                "reference; a negative beta would reward moving away from it (the loss would be -KL)"
+            )
         if self.delta is not None and not self.delta > 1:
             raise ValueError(f"delta must be > 1 (an upper cap on the ratio above 1), got {self.delta}")
         if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:

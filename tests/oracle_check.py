@@ -312,3 +312,23 @@ def check_masked_inputs_are_absent(clean: Case, poisoned: Case, backend: str, in
     assert p_metrics.keys() == metrics.keys()
     for name in metrics:
         assert torch.equal(p_metrics[name], metrics[name]), f"metric {name}: {p_metrics[name]} vs {metrics[name]}"
+
+
+def check_large_log_ratios(backend: str, options: dict) -> None:
+    """One token per call, so the loss's error is that token's: |ℓ| of 1e3 to 1e4 (an fp32 ℓ there is off by up to
+    2.4e-4), off-policy by a few tenths, with a KL. Loss and ∂logits at the fp32 tolerances of `TOLERANCES`."""
+    tol = TOLERANCES[torch.float32]
+    gen = torch.Generator().manual_seed(7)
+    for scale in (300.0, 1000.0, 3000.0):
+        logits = (torch.randn(1, 1, 64, generator=gen, dtype=torch.float64) * scale).float()
+        ids = logits.argmin(-1)  # the least likely token: |ℓ| ≈ 2·scale
+        z = logits.double() / options.get("temperature", 1.0)
+        true = (z.log_softmax(-1).gather(-1, ids.unsqueeze(-1))).squeeze(-1)
+        assert true.abs().min() > 500
+        for shift in (-0.3, 0.15):
+            old = (true + shift).float()
+            ref = (true - 0.4).float()
+            case = Case(logits, ids, torch.ones(1), None, old, ref, {}, {"beta": 0.1, "temperature": 1.0, **options})
+            case.view = lambda full: full  # the logits are the view
+            check_case(case, backend)
+    assert tol["loss_rtol"] == 1e-5

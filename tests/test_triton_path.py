@@ -11,7 +11,7 @@ from reference import reference_selective_log_softmax
 
 from .conftest import HAS_TRITON_DEVICE
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
-from .oracle_check import check_masked_inputs_are_absent, masked_sentinel_cases
+from .oracle_check import check_large_log_ratios, check_masked_inputs_are_absent, masked_sentinel_cases
 
 pytestmark = [
     pytest.mark.usefixtures("nan_empty"),
@@ -45,6 +45,14 @@ def test_masked_inputs_are_absent(pair):
     """NaN, ±inf and −1e4 at masked positions (logits rows, ℓ_old, ℓ_ref, ℓ_s, ρ, A), every loss type and option:
     loss, gradient and metrics are those of the same batch with finite values there."""
     check_masked_inputs_are_absent(*pair, backend="triton")
+
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 0.7, "loss_type": "sapo"}, {"importance_sampling_level": "sequence", "loss_type": "cispo"}]
+)
+def test_log_ratios_are_exact_for_large_logp(options):
+    check_large_log_ratios("triton", options)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
