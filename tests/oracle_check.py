@@ -283,7 +283,10 @@ def masked_sentinel_cases(draw, **kwargs) -> tuple[Case, Case]:
     for name in ("importance_sampling_ratio", "sampling_logp"):
         if name in tensors:
             tensors[name] = poison(tensors[name])
-    advantages = poison(case.advantages) if case.advantages.shape == (batch, length) else case.advantages
+    # (B, T) advantages at masked tokens; at T = 1 a (B, 1) advantage is the sequence's, which TRL's per-sequence
+    # clip metrics read (its sign) even for a fully masked row, so it is no masked input there.
+    per_token = case.advantages.shape == (batch, length) and length > 1
+    advantages = poison(case.advantages) if per_token else case.advantages
     poisoned = Case(full, case.ids, advantages, mask, poison(case.old_logp), poison(case.ref_logp), tensors, case.options, case.upstream)
     return clean, poisoned
 
