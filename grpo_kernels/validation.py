@@ -148,7 +148,9 @@ def check_values(
     if inp.is_ratio is not None:
         add("negative ratio", (inp.is_ratio < 0) & on_active(inp.is_ratio))
     if check_inputs:
-        finite_inputs = [("advantages", inp.advantages), ("old_logp", inp.old_logp), ("importance_sampling_ratio", inp.is_ratio)]
+        finite_inputs = [
+            ("advantages", inp.advantages), ("old_logp", inp.old_logp), ("importance_sampling_ratio", inp.is_ratio)
+        ]
         if beta != 0.0:
             finite_inputs.append(("ref_logp", inp.ref_logp))
         for name, x in finite_inputs:
@@ -176,14 +178,19 @@ def check_values(
                 f"position {where}"
             )
         if name == "negative ratio":
-            raise ValueError(f"importance_sampling_ratio must be >= 0, got {inp.is_ratio[where].item()} at position {where}")
+            value = inp.is_ratio[where].item()
+            raise ValueError(f"importance_sampling_ratio must be >= 0, got {value} at position {where}")
         if name == "logits":
             row = logits[where]
             bad_v = torch.isnan(row) | (row == torch.inf)
             v = int(bad_v.to(torch.int32).argmax())
-            detail = f"{row[v].item()} at position {where + (v,)}" if bool(bad_v.any()) else f"a row of only −inf at {where}"
+            detail = f"{row[v].item()} at position {where + (v,)}"
+            if not bool(bad_v.any()):
+                detail = f"a row of only −inf at {where}"
             raise ValueError(f"check_inputs: logits must be finite at unmasked tokens, got {detail}")
-        value = {"advantages": inp.advantages, "old_logp": inp.old_logp, "ref_logp": inp.ref_logp}.get(name, inp.is_ratio)
+        value = {"advantages": inp.advantages, "old_logp": inp.old_logp, "ref_logp": inp.ref_logp}.get(
+            name, inp.is_ratio
+        )
         raise ValueError(
             f"check_inputs: {name} must be finite at unmasked tokens, got {value[where].item()} at position {where}"
         )

@@ -21,7 +21,8 @@ Where docs/loss.md and TRL 1.16 (`trl/trainer/grpo_trainer.py`) disagree, this f
    says only "NaN counts as 0"). With (B, T) advantages its `A ≥ 0` test is per token, so it keeps tokens, not
    whole sequences.
 5. vespo folds ρ in by summing log ρ over the LAST dim of ρ as given, without the completion mask: a (B, T) ρ counts
-   padded positions too (here they hold ρ = 1, disagreement 10), a (B, 1) ρ counts once (not T times). The spec's Σ_t log ρ is silent on both.
+   padded positions too (here they hold ρ = 1, disagreement 10), a (B, 1) ρ counts once (not T times). The spec's
+   Σ_t log ρ is silent on both.
 6. Active tokens: TRL selects them with `mask.bool()` (any nonzero mask value), the spec says "m = 1". Same thing for
    0/1 masks.
 7. `clip_ratio/low_min` and `clip_ratio/high_max` (not in the spec): per-sequence means of the clip indicators
@@ -193,7 +194,9 @@ def reference_grpo_loss(
 
     # ---- Per token: ℓ, H (differentiable), and the constants, all float64.
     batch, length = completion_ids.shape
-    mask = torch.ones(batch, length, dtype=torch.float64) if completion_mask is None else completion_mask.detach().double()
+    mask = torch.ones(batch, length, dtype=torch.float64)
+    if completion_mask is not None:
+        mask = completion_mask.detach().double()
     # Masked means absent (disagreement 10): a masked row's logits reach the graph only as a constant, so that a
     # NaN there cannot enter the gradient, and every masked value is selected away (`_absent`) before any use.
     active = mask.bool()

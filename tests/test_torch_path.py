@@ -36,14 +36,12 @@ def test_rows_split_across_chunks(case, monkeypatch):
     check_case(case, backend="torch")
 
 
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(pair=masked_sentinel_cases())
 def test_masked_inputs_are_absent(pair):
     """NaN, ±inf and −1e4 at masked positions (logits rows, ℓ_old, ℓ_ref, ℓ_s, ρ, A), every loss type and option:
     loss, gradient and metrics are those of the same batch with finite values there."""
     check_masked_inputs_are_absent(*pair, backend="torch")
-
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,9 @@ def gather_target_logit(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
     return logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1).double()
 
 
-def exact_logp(target_logit: torch.Tensor, row_state: torch.Tensor, temperature: float, logp: torch.Tensor) -> torch.Tensor:
+def exact_logp(
+    target_logit: torch.Tensor, row_state: torch.Tensor, temperature: float, logp: torch.Tensor
+) -> torch.Tensor:
     """ℓ in float64 from the row state: (x_y − m)/τ − s, formed in float64 from the raw target logit x_y and the
     state's raw max m and s = log Σe. Exact to the fp32 rounding of s (|s| <= log V, so about 1e-6 absolute) for
     any |ℓ|, where the fp32 ℓ of size 1e3 carries 6e-5: exp(ℓ − ℓ_old) and the KL then match float64 to 1e-5.
