@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SCALES = ("group", "batch", "none")
@@ -26,6 +28,12 @@ def group_advantages(
         raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if num_generations is not None and (isinstance(num_generations, bool) or not isinstance(num_generations, int)):
+        raise TypeError(f"num_generations must be an int or None, got {type(num_generations).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be finite and > 0 (it keeps a group of equal rewards from 0/0), got {eps}")
     if rewards.dim() == 1:
         if num_generations is None or num_generations <= 0 or rewards.numel() % num_generations:
             raise ValueError(

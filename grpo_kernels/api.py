@@ -17,8 +17,8 @@ from .config import LossConfig, make_config
 from .dispatch import pick_backend
 from .distributed import check_group, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective, per_token_objective
-from .ops.rows import RowBackend
-from .validation import check_ids, check_ids_range, check_logits, token_inputs
+from .ops.rows import RowBackend, exact_logp
+from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs
 from .vocab_parallel import ShardBackend, shard_offset
 
 
@@ -82,14 +82,18 @@ def forward_rows(
             cfg=cfg,
             out=out,
         )
-        with torch.no_grad():
+        with torch.no_grad():  # logp is float64 here (exact, see ops/rows.py)
             loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg, weights)
-        return loss, logp, entropy, metrics
+        return loss, logp.float(), entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
     logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
+    # ℓ in float64 from the row state and the gathered target logit (O(B·T)): exp(ℓ − ℓ_old) and the KL are then
+    # exact for any |ℓ|, not only to the fp32 rounding of ℓ.
+    logp64 = exact_logp(backend.target_logit(logits, ids), row_state, cfg.temperature, logp)
+    logp = logp64.to(logp.dtype)  # float32 (float64 for float64 logits)
     with torch.enable_grad():
-        lp = logp.detach().double().requires_grad_(out is not None)
+        lp = logp64.detach().requires_grad_(out is not None)  # a tensor of its own, also for float64 logits
         ent = entropy.detach().double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
         loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
     if out is not None:
@@ -134,8 +138,10 @@ class _PerTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, cfg, backend, inp, inplace, metrics_out):  # type: ignore[override]
         logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
+        logp64 = exact_logp(backend.target_logit(logits, ids), row_state, cfg.temperature, logp)  # see forward_rows
+        logp = logp64.to(logp.dtype)
         with torch.enable_grad():
-            lp = logp.detach().double().requires_grad_(ctx.needs_input_grad[0])  # a new tensor, also for float64
+            lp = logp64.detach().requires_grad_(ctx.needs_input_grad[0])  # a tensor of its own, also for float64
             per_token, metrics = per_token_objective(lp, entropy.detach().double(), inp, cfg)
         metrics_out.update(metrics)
         if ctx.needs_input_grad[0]:
@@ -238,7 +244,8 @@ def grpo_loss(
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
         completion_ids: [B, T] int32/int64 in [0, V).
         advantages: [B], [B, 1] or [B, T].
-        completion_mask: [B, T] bool/int/float, 1 = a token that counts; default all ones.
+        completion_mask: [B, T] bool/int/float of 0/1, 1 = a token that counts; default all ones. A masked token is
+            absent: whatever its logits row and per-token inputs hold (NaN, ±inf), it changes nothing.
         old_logp: [B, T] log-probs of the policy that sampled; None = the detached current ones (ratio 1).
         ref_logp: [B, T] reference log-probs; required when beta != 0.
         importance_sampling_ratio: [B], [B, 1] or [B, T] rollout-engine correction ρ (a constant factor).
@@ -264,7 +271,8 @@ def grpo_loss(
             epsilon_low, epsilon_high, delta, temperature, importance_sampling_level ("token" | "sequence"),
             use_bias_correction_kl, max_completion_length, num_items_in_batch, sapo_temperature_pos/neg,
             vespo_k_pos/neg, vespo_lambda_pos/neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef
-            (see `LossConfig`; defaults as in TRL's GRPOConfig). Validated once, here, into one `LossConfig`.
+            (see `LossConfig`; defaults as in TRL's GRPOConfig), check_inputs (raise on NaN/inf at unmasked
+            tokens, logits included). Validated once, here, into one `LossConfig`.
     Returns:
         GRPOOutput(loss, logp, entropy, metrics); `loss` is [B, T] with reduction="none".
 
@@ -310,7 +318,10 @@ def grpo_loss(
     )  # fmt: skip
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
-    check_ids_range(ids, vocab)  # the full vocabulary when the logits are a shard
+    check_values(  # one host sync: ids against the full vocabulary (when the logits are a shard), mask, ρ, ...
+        ids, vocab, inp, check_inputs=cfg.check_inputs, beta=cfg.beta, logits=logits,
+        logits_are_shard=vocab_parallel_group is not None,
+    )  # fmt: skip
     metrics: dict[str, torch.Tensor] = {}
     if reduction == "none":
         loss, logp, entropy = _PerTokenLossFunction.apply(logits, ids, cfg, rows, inp, inplace_backward, metrics)

@@ -18,7 +18,7 @@ import torch
 from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
 from .dispatch import pick_backend
 from .loss_math import grpo_objective
-from .ops.rows import RowBackend, empty_row_state, stats_dtype
+from .ops.rows import RowBackend, empty_row_state, exact_logp, gather_target_logit, stats_dtype
 from .validation import check_ids, check_ids_range, check_logits, token_inputs
 
 
@@ -134,6 +134,9 @@ def compiled_grpo_loss(
     batch, length, _ = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
     inp = token_inputs(batch, length, logits.device, *tensors, beta=cfg.beta, data_group=data_group)
-    logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)
-    loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg)
+    logp, entropy, state = row_stats_op(logits, ids, cfg.temperature, backend)
+    # ℓ's value in float64 from the row state (ops/rows.py `exact_logp`), its gradient through the op's ℓ
+    exact = exact_logp(gather_target_logit(logits.detach(), ids), state.detach(), cfg.temperature, logp.detach())
+    logp64 = logp.double() + (exact - logp.detach().double())
+    loss, metrics = grpo_objective(logp64, entropy.double(), inp, cfg)
     return loss.to(logp.dtype), logp.detach(), entropy.detach(), metrics

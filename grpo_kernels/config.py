@@ -18,6 +18,8 @@ TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 FUSED_LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo")
 IS_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "torch")
+LOG2E = 1.4426950408889634
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_finite_number(name: str, value: object) -> float:
@@ -56,6 +58,7 @@ class LossConfig:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    check_inputs: bool = False  # raise on non-finite unmasked inputs (one host sync; an O(B·T·V) pass of the logits)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -85,7 +88,27 @@ class LossConfig:
         temperature = _check_finite_number("temperature", self.temperature)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if LOG2E / temperature > FLOAT32_MAX:  # the kernels scale by log2(e)/τ in fp32
+            raise ValueError(
+                f"temperature must be >= {LOG2E / FLOAT32_MAX:.3g} so that 1/temperature is finite in float32, "
+                f"got {temperature}"
+            )
         object.__setattr__(self, "temperature", temperature)
+        if self.beta < 0:
+            raise ValueError(
+                f"beta must be >= 0, got {self.beta}: it weighs the KL penalty that keeps the policy near the "
+                "reference; a negative beta would reward moving away from it (the loss would be -KL)"
+            )
+        if self.delta is not None and not self.delta > 1:
+            raise ValueError(f"delta must be > 1 (an upper cap on the ratio above 1), got {self.delta}")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise ValueError(f"off_policy_mask_threshold must be >= 0 (a KL), got {self.off_policy_mask_threshold}")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (the power of w in vespo's φ), got {getattr(self, name)}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (the decay rate in vespo's φ), got {getattr(self, name)}")
         if self.epsilon_low < 0 or self.epsilon_high < 0:
             raise ValueError(
                 f"epsilon_low and epsilon_high must be >= 0, got {self.epsilon_low} and {self.epsilon_high}"
@@ -104,8 +127,9 @@ class LossConfig:
                 raise ValueError(f"max_completion_length must be > 0, got {self.max_completion_length}")
         if self.num_items_in_batch is not None and self.num_items_in_batch < 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got {self.num_items_in_batch}")
-        if not isinstance(self.use_bias_correction_kl, bool):
-            raise TypeError(f"use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}")
+        for name in ("use_bias_correction_kl", "check_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
     @property
     def is_sequence_level(self) -> bool:

@@ -21,7 +21,7 @@ from .dispatch import pick_linear_backend
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, grpo_objective
 from .ops.rows import LinearBackend
-from .validation import check_ids, check_ids_range, check_rows_tensor, token_inputs
+from .validation import check_ids, check_ids_range, check_rows_tensor, check_values, token_inputs
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -63,9 +63,10 @@ def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
 
 def _prepare(
     hidden: Any, weight: Any, bias: Any, completion_ids: Any, backend: str, vocab_parallel_group: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, LinearBackend | LinearShard]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, LinearBackend | LinearShard, int]:
     """The checks and the backend shared by the fused-linear entry points: (hidden, weight and bias gathered when
-    they are DTensors, ids checked against the full vocabulary, the tile backend or its vocabulary shard)."""
+    they are DTensors, ids, the tile backend or its vocabulary shard, the full vocabulary size). The ids' range is
+    checked by the caller, against that full vocabulary, within its one host sync."""
     check_group("vocab_parallel_group", vocab_parallel_group)
     weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
@@ -76,8 +77,7 @@ def _prepare(
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
         rows = LinearShard(rows, vocab_parallel_group, offset)
-    check_ids_range(ids, vocab)
-    return hidden, weight, bias, ids, rows
+    return hidden, weight, bias, ids, rows, vocab
 
 
 class _FusedLinearLogSoftmax(torch.autograd.Function):
@@ -145,7 +145,10 @@ def fused_linear_log_softmax(
         >>> (logp.sum() + 0.01 * entropy.sum()).backward()
     """
     temperature = LossConfig(temperature=temperature).temperature
-    hidden, weight, bias, ids, rows = _prepare(hidden, weight, bias, completion_ids, backend, vocab_parallel_group)
+    hidden, weight, bias, ids, rows, vocab = _prepare(
+        hidden, weight, bias, completion_ids, backend, vocab_parallel_group
+    )
+    check_ids_range(ids, vocab)
     return _FusedLinearLogSoftmax.apply(hidden, weight, bias, ids, temperature, rows)
 
 
@@ -251,7 +254,9 @@ def fused_linear_grpo_loss(
     """
     cfg = make_config(config, options, "fused_linear_grpo_loss")
     check_group("data_parallel_group", data_parallel_group)
-    hidden, weight, bias, ids, rows = _prepare(hidden, weight, bias, completion_ids, backend, vocab_parallel_group)
+    hidden, weight, bias, ids, rows, vocab = _prepare(
+        hidden, weight, bias, completion_ids, backend, vocab_parallel_group
+    )
     batch, length, _ = hidden.shape
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     inp: TokenInputs = token_inputs(
@@ -259,6 +264,7 @@ def fused_linear_grpo_loss(
         advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
     )  # fmt: skip
+    check_values(ids, vocab, inp, check_inputs=cfg.check_inputs, beta=cfg.beta)  # one host sync
     weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, weights, ids, metrics)

@@ -32,6 +32,14 @@ class TokenInputs:
     data_group: object = None  # the data-parallel process group the defaults span (None: this process alone)
 
 
+def absent(mask: torch.Tensor, x: torch.Tensor, fill) -> torch.Tensor:
+    """`x` where the token counts, `fill` where it is masked: a selection, never a product with the mask (0·NaN is
+    NaN). A per-sequence [B, 1] `x` keeps its value on rows with at least one active token."""
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return torch.where(mask.bool().any(-1, keepdim=True), x, fill)
+    return torch.where(mask.bool(), x, fill)
+
+
 def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Tensor:
     """max(N, 1) / P, N = num_items_in_batch (default: active tokens on all ranks), P = world size."""
     if cfg.num_items_in_batch is not None:
@@ -80,12 +88,15 @@ def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: floa
     return ((entropy * mask >= threshold) & active & (count > 0)).to(mask.dtype)
 
 
-def _gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, inp: TokenInputs, cfg: LossConfig) -> torch.Tensor:
-    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights)."""
+def _gamma_weights(
+    adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, rho: torch.Tensor | None, cfg: LossConfig
+) -> torch.Tensor:
+    """vespo's φ(w) per sequence, [B, 1], no grad (TRL's get_gamma_weights). `log_ratio` is 0 and ρ is 1 at masked
+    tokens (TRL sums log ρ over every position, padded ones included; here they add log 1 = 0)."""
     lower = math.log(1e-8)
-    seq = (log_ratio.clamp(-20.0, 20.0) * inp.mask).sum(-1, keepdim=True)
-    if inp.is_ratio is not None:
-        seq = seq + inp.is_ratio.log().clamp(lower, 20.0).sum(-1, keepdim=True)
+    seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if rho is not None:
+        seq = seq + rho.log().clamp(lower, 20.0).sum(-1, keepdim=True)
     log_w = seq.clamp(lower, 20.0)
     nonneg = adv >= 0
     k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
@@ -108,8 +119,15 @@ def per_token_terms(logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs,
     """L per token: the objective after the clip, the off-policy and entropy masks and ρ, plus β·KL, before the
     completion mask and the aggregation. Differentiable in `logp` ([B, T] float64); `entropy` enters only through
     the (detached) entropy mask. Follows TRL 1.16 `GRPOTrainer._compute_loss` line by line."""
-    mask, adv = inp.mask, inp.advantages
-    old = logp.detach() if inp.old_logp is None else inp.old_logp
+    mask = inp.mask
+    # Masked means absent: whatever a masked position holds (NaN, ±inf, a −1e4 sentinel, in ℓ, H or any input),
+    # it is selected away here, before any arithmetic, so it reaches neither the loss, the gradient nor a metric.
+    # The metrics keep the raw A: they only compare its sign (never NaN), and TRL's per-sequence metric means count
+    # fully masked rows too (at sequence level), with their A.
+    adv_raw = inp.advantages
+    adv, logp, entropy = absent(mask, adv_raw, 0.0), absent(mask, logp, 0.0), absent(mask, entropy, 0.0)
+    rho = None if inp.is_ratio is None else absent(mask, inp.is_ratio, 1.0)
+    old = logp.detach() if inp.old_logp is None else absent(mask, inp.old_logp, logp.detach())
     log_ratio = logp - old
     if cfg.importance_sampling_level == "token":
         log_w = log_ratio
@@ -119,7 +137,8 @@ def per_token_terms(logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs,
 
     kl = None
     if cfg.beta != 0.0:
-        kl = torch.exp(inp.ref_logp - logp) - (inp.ref_logp - logp) - 1
+        ref = absent(mask, inp.ref_logp, logp.detach())  # kl = 0 at a masked token
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
         if cfg.use_bias_correction_kl:
             kl = kl * ratio
 
@@ -136,11 +155,11 @@ def per_token_terms(logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs,
         per_token = -torch.sigmoid(temps * (ratio - 1)) * 4 / temps * adv
     else:  # vespo
         with torch.no_grad():
-            phi = _gamma_weights(adv, log_ratio.detach(), inp, cfg)
-        per_token = -phi * adv * logp
+            phi = _gamma_weights(adv_raw, log_ratio.detach(), mask, rho, cfg)
+        per_token = -absent(mask, phi, 0.0) * adv * logp
 
     if cfg.off_policy_mask_threshold is not None:
-        sampling = old if inp.sampling_logp is None else inp.sampling_logp
+        sampling = old if inp.sampling_logp is None else absent(mask, inp.sampling_logp, logp.detach())
         seq_kl = ((sampling - logp.detach()).nan_to_num(nan=0.0) * mask).sum(-1, keepdim=True)
         seq_kl = seq_kl / mask.sum(-1, keepdim=True).clamp(min=1.0)
         per_token = per_token * ((adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(mask.dtype)
@@ -150,8 +169,8 @@ def per_token_terms(logp: torch.Tensor, entropy: torch.Tensor, inp: TokenInputs,
         entropy_mask = _high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile, inp.data_group)
         per_token = per_token * entropy_mask
 
-    if inp.is_ratio is not None and cfg.loss_type != "vespo":
-        per_token = per_token * inp.is_ratio
+    if rho is not None and cfg.loss_type != "vespo":
+        per_token = per_token * rho
     if kl is not None:
         per_token = per_token + cfg.beta * kl
     return PerTokenTerms(per_token, ratio, kl, phi, entropy_mask)
@@ -190,7 +209,7 @@ def grpo_objective(
     policy_loss = loss.detach()
     if cfg.entropy_coef != 0.0:
         effective = mask if terms.entropy_mask is None else mask * terms.entropy_mask
-        loss = loss + (entropy * entropy_bonus_weights(effective, cfg)).sum()
+        loss = loss + (absent(mask, entropy, 0.0) * entropy_bonus_weights(effective, cfg)).sum()
 
     with torch.no_grad():
         metrics = _objective_metrics(terms, entropy, inp, cfg)
@@ -203,17 +222,23 @@ def _objective_metrics(
     terms: PerTokenTerms, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig
 ) -> dict[str, torch.Tensor]:
     kl_value = None if terms.kl is None else terms.kl.detach()
-    metrics = _metrics(entropy.detach(), kl_value, terms.ratio.detach(), inp.advantages, inp.mask, cfg, inp.data_group)
+    entropy = absent(inp.mask, entropy.detach(), 0.0)  # masked means absent, in the metrics too
+    metrics = _metrics(entropy, kl_value, terms.ratio.detach(), inp.advantages, inp.mask, cfg, inp.data_group)
     if terms.phi is not None:
-        metrics.update(_global_means({"vespo/phi_seq_mean": terms.phi}, inp.mask, inp.data_group))
+        phi_metric = {"vespo/phi_seq_mean": terms.phi}
+        per_seq = _per_sequence(phi_metric, inp.mask, True)
+        metrics.update(_global_means(phi_metric, inp.mask, inp.data_group, per_seq))
     return metrics
 
 
-def _global_means(values: dict[str, torch.Tensor], mask: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
-    """Token-weighted means over all ranks in one all-reduce; [B, 1] values average over sequences (as TRL)."""
+def _global_means(
+    values: dict[str, torch.Tensor], mask: torch.Tensor, group=None, per_sequence: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Token-weighted means over all ranks in one all-reduce; the values named in `per_sequence` ([B, 1]) average
+    over sequences, every row counted (as TRL)."""
     sums = []
-    for x in values.values():
-        if x.shape[-1] == 1:
+    for name, x in values.items():
+        if name in per_sequence:
             sums += [x.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)]
         else:
             sums += [(x * mask).sum(), mask.sum()]
@@ -242,4 +267,12 @@ def _metrics(
         values["clip_ratio/region_mean"] = torch.maximum(low, high)
     elif cfg.loss_type == "cispo":
         values["cispo_clip_ratio"] = ((ratio > cfg.epsilon_high) & (adv > 0)).double()
-    return _global_means(values, mask, group)
+    return _global_means(values, mask, group, _per_sequence(values, mask, cfg.importance_sampling_level == "sequence"))
+
+
+def _per_sequence(values: dict[str, torch.Tensor], mask: torch.Tensor, sequence_level: bool) -> tuple[str, ...]:
+    """The metric values that are one per sequence ([B, 1] while T > 1; at T = 1, the ratio's when it is
+    sequence-level), which TRL averages over every row; the others are token means over active tokens."""
+    if mask.shape[-1] > 1:
+        return tuple(name for name, x in values.items() if x.shape[-1] == 1)
+    return tuple(name for name in values if sequence_level and name not in ("kl", "entropy"))

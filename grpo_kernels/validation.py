@@ -103,6 +103,100 @@ def token_inputs(
     )
 
 
+def _first(bad: torch.Tensor) -> torch.Tensor:
+    """The flat index of the first True of `bad`, or −1: a 0-d int64 tensor (no host sync)."""
+    flat = bad.reshape(-1)
+    if flat.numel() == 0:
+        return torch.tensor(-1, dtype=torch.int64, device=bad.device)
+    return torch.where(flat.any(), flat.to(torch.int32).argmax(), -1).to(torch.int64)
+
+
+def _position(index: int, shape: torch.Size) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(index % size)
+        index //= size
+    return tuple(reversed(out))
+
+
+def check_values(
+    ids: torch.Tensor,
+    vocab: int,
+    inp: TokenInputs,
+    *,
+    check_inputs: bool = False,
+    beta: float = 0.0,
+    logits: torch.Tensor | None = None,
+    logits_are_shard: bool = False,
+) -> None:
+    """The value checks of a call, with one host sync for all of them: ids in [0, vocab), a 0/1 completion mask,
+    ρ >= 0 at active tokens; with `check_inputs`, also every active token's advantage, ℓ_old, ℓ_ref (when β != 0),
+    ρ and (when given) logits row finite (for the logits: no NaN, no +inf, not all −inf; an O(B·T·V) pass). Masked
+    tokens may hold anything: they are absent from the loss. `sampling_logp` is not checked: NaN and ±inf there are
+    defined (the off-policy mask reads NaN as 0, as TRL)."""
+    mask = inp.mask
+    active = mask != 0
+    lo, hi = torch.aminmax(ids)
+    found: list[tuple[str, tuple[int, ...], torch.Tensor]] = []  # (argument, shape, first bad flat index)
+
+    def add(name: str, bad: torch.Tensor) -> None:
+        found.append((name, tuple(bad.shape), _first(bad)))
+
+    def on_active(x: torch.Tensor) -> torch.Tensor:
+        return active.any(-1, keepdim=True) if x.shape[-1] == 1 and active.shape[-1] != 1 else active
+
+    add("completion_mask", (mask != 0) & (mask != 1))
+    if inp.is_ratio is not None:
+        add("negative ratio", (inp.is_ratio < 0) & on_active(inp.is_ratio))
+    if check_inputs:
+        finite_inputs = [
+            ("advantages", inp.advantages), ("old_logp", inp.old_logp), ("importance_sampling_ratio", inp.is_ratio)
+        ]
+        if beta != 0.0:
+            finite_inputs.append(("ref_logp", inp.ref_logp))
+        for name, x in finite_inputs:
+            if x is not None:
+                add(name, ~torch.isfinite(x) & on_active(x))
+        if logits is not None:
+            top = logits.amax(-1)  # NaN propagates; +inf anywhere; −inf only for a row without any finite logit
+            bad = torch.isnan(top) | (top == torch.inf)
+            if not logits_are_shard:  # (a vocabulary shard may be all −inf: padded columns)
+                bad |= top == -torch.inf
+            add("logits", bad & active)
+    values = torch.stack([lo.long(), hi.long()] + [f[2] for f in found]).tolist()  # the one host sync
+    lo_v, hi_v = values[0], values[1]
+    if lo_v < 0 or hi_v >= vocab:
+        raise ValueError(
+            f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo_v}, {hi_v}]"
+        )
+    for (name, shape, _), index in zip(found, values[2:]):
+        if index < 0:
+            continue
+        where = _position(index, shape)
+        if name == "completion_mask":
+            raise ValueError(
+                f"completion_mask must hold only 0 and 1 (bool, int or float 0./1.), got {mask[where].item()} at "
+                f"position {where}"
+            )
+        if name == "negative ratio":
+            value = inp.is_ratio[where].item()
+            raise ValueError(f"importance_sampling_ratio must be >= 0, got {value} at position {where}")
+        if name == "logits":
+            row = logits[where]
+            bad_v = torch.isnan(row) | (row == torch.inf)
+            v = int(bad_v.to(torch.int32).argmax())
+            detail = f"{row[v].item()} at position {where + (v,)}"
+            if not bool(bad_v.any()):
+                detail = f"a row of only −inf at {where}"
+            raise ValueError(f"check_inputs: logits must be finite at unmasked tokens, got {detail}")
+        value = {"advantages": inp.advantages, "old_logp": inp.old_logp, "ref_logp": inp.ref_logp}.get(
+            name, inp.is_ratio
+        )
+        raise ValueError(
+            f"check_inputs: {name} must be finite at unmasked tokens, got {value[where].item()} at position {where}"
+        )
+
+
 def check_ids_range(ids: torch.Tensor, vocab: int) -> None:
     """O(B·T) range check of the ids, no pass over the logits; run eagerly (inside the op under torch.compile)."""
     lo, hi = torch.aminmax(ids)

@@ -69,7 +69,14 @@ class ShardBackend:
         parts = self.rows.shard_partials(logits, ids, self.offset, temperature)
         gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(gathered, parts, group=self.group)
-        return merge_partials(torch.stack(gathered), temperature)
+        every = torch.stack(gathered)
+        # The raw target logit is in the partials of the one shard that holds it (−inf elsewhere); kept for
+        # `target_logit`, which the loss calls right after this (a ShardBackend serves one call).
+        self._target = every[..., 3].amax(0)
+        return merge_partials(every, temperature)
+
+    def target_logit(self, logits, ids):
+        return self._target.double()
 
     def row_grad(self, logits, ids, state, g, h, temperature, out):
         self.rows.row_grad(logits, ids - self.offset, state, g, h, temperature, out)

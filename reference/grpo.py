@@ -21,7 +21,8 @@ Where docs/loss.md and TRL 1.16 (`trl/trainer/grpo_trainer.py`) disagree, this f
    says only "NaN counts as 0"). With (B, T) advantages its `A ≥ 0` test is per token, so it keeps tokens, not
    whole sequences.
 5. vespo folds ρ in by summing log ρ over the LAST dim of ρ as given, without the completion mask: a (B, T) ρ counts
-   padded positions too, a (B, 1) ρ counts once (not T times). The spec's Σ_t log ρ is silent on both.
+   padded positions too (here they hold ρ = 1, disagreement 10), a (B, 1) ρ counts once (not T times). The spec's
+   Σ_t log ρ is silent on both.
 6. Active tokens: TRL selects them with `mask.bool()` (any nonzero mask value), the spec says "m = 1". Same thing for
    0/1 masks.
 7. `clip_ratio/low_min` and `clip_ratio/high_max` (not in the spec): per-sequence means of the clip indicators
@@ -32,6 +33,13 @@ Where docs/loss.md and TRL 1.16 (`trl/trainer/grpo_trainer.py`) disagree, this f
    parity test therefore uses finite logits.)
 9. dapo/cispo/vespo: the spec's default N is Σ m over all ranks; this single-process oracle only sees its own mask,
    so with world_size > 1 pass `num_items_in_batch` (as TRL always does).
+10. Masked means absent (stricter than TRL, as the spec demands): a token with m = 0 contributes nothing whatever
+   its logits, ℓ_old, ℓ_ref, ℓ_s, A or ρ hold (NaN, ±inf, −1e4 sentinels). Its values are replaced, before any use,
+   by neutral ones: ℓ_old = ℓ_ref = ℓ_s = sg(ℓ) (ratio 1, KL 0), A = 0, ρ = 1 (a per-sequence ρ on a fully masked
+   row too), ℓ = H = 0. TRL gives NaN there (0 · NaN), sums vespo's log ρ over padded positions too (disagreement
+   5), and at T = 1 averages its metrics over masked tokens too (3b): on ordinary padding (finite values, ρ = 1
+   where nothing was sampled) the loss and gradient agree, and the metrics wherever T > 1. The metrics read the raw
+   A, only through its sign: TRL's per-sequence metric means (3a) count a fully masked row with its A.
 """
 
 from __future__ import annotations
@@ -187,17 +195,26 @@ def reference_grpo_loss(
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high  # as TRL's GRPOConfig
 
     # ---- Per token: ℓ, H (differentiable), and the constants, all float64.
+    batch, length = completion_ids.shape
+    mask = torch.ones(batch, length, dtype=torch.float64)
+    if completion_mask is not None:
+        mask = completion_mask.detach().double()
+    # Masked means absent (disagreement 10): a masked row's logits reach the graph only as a constant, so that a
+    # NaN there cannot enter the gradient, and every masked value is selected away (`_absent`) before any use.
+    active = mask.bool()
+    logits = torch.where(active.unsqueeze(-1), logits, logits.detach())
     logp, entropy = reference_selective_log_softmax(logits, completion_ids, temperature)  # (B, T) each
-    batch, length = logp.shape
-    mask = torch.ones_like(logp.detach()) if completion_mask is None else completion_mask.detach().double()
-    adv = advantages.detach().double()
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
-    old = logp.detach() if old_logp is None else old_logp.detach().double()
-    sampling = old if sampling_logp is None else sampling_logp.detach().double()
+    logp_all, entropy_all = logp, entropy  # returned as computed, masked positions included
+    logp, entropy = _absent(mask, logp, 0.0), _absent(mask, entropy, 0.0)
+    adv_raw = advantages.detach().double()
+    adv_raw = adv_raw.unsqueeze(1) if adv_raw.dim() == 1 else adv_raw  # (B, 1) or (B, T); the metrics read it
+    adv = _absent(mask, adv_raw, 0.0)
+    old = logp.detach() if old_logp is None else _absent(mask, old_logp.detach().double(), logp.detach())
+    sampling = old if sampling_logp is None else _absent(mask, sampling_logp.detach().double(), logp.detach())
     rho = None
     if importance_sampling_ratio is not None:
         rho = importance_sampling_ratio.detach().double()
-        rho = rho.unsqueeze(1) if rho.dim() == 1 else rho  # (B, 1) or (B, T)
+        rho = _absent(mask, rho.unsqueeze(1) if rho.dim() == 1 else rho, 1.0)  # (B, 1) or (B, T)
 
     # ---- Entropy mask (step 2 of the spec, computed first as TRL does; H is no-grad here).
     entropy_mask = None
@@ -222,7 +239,7 @@ def reference_grpo_loss(
     # ---- KL, the k3 estimator (optionally importance-weighted by r before any delta clamp).
     kl = None
     if beta != 0.0:
-        ref = ref_logp.detach().double()
+        ref = _absent(mask, ref_logp.detach().double(), logp.detach())
         kl = torch.exp(ref - logp) - (ref - logp) - 1
         if use_bias_correction_kl:
             kl = kl * ratio
@@ -241,10 +258,11 @@ def reference_grpo_loss(
         tau = torch.where(adv > 0, _as_float32(sapo_temperature_pos), _as_float32(sapo_temperature_neg))
         per_token_loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv
     else:  # vespo
+        # φ reads the raw A (its sign only: a fully masked row's φ enters the φ metric, TRL's mean over every row)
         phi = _vespo_phi(
-            adv, log_ratio.detach(), mask, rho, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
+            adv_raw, log_ratio.detach(), mask, rho, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
         )
-        per_token_loss = -phi * adv * logp
+        per_token_loss = -_absent(mask, phi, 0.0) * adv * logp
 
     # ---- Then, in this order: off-policy mask, entropy mask, ρ (vespo folded it into φ), KL.
     if off_policy_keep is not None:
@@ -288,21 +306,34 @@ def reference_grpo_loss(
         metrics["entropy"] = _trl_global_masked_mean(entropy, mask)
         if loss_type in CLIPPED_LOSS_TYPES:
             # float32 indicators, as TRL: at sequence level, (B, 1), their means are then float32 divisions.
-            is_low = ((ratio < 1 - epsilon_low) & (adv < 0)).float()
-            is_high = ((ratio > 1 + epsilon_high) & (adv > 0)).float()
+            is_low = ((ratio < 1 - epsilon_low) & (adv_raw < 0)).float()
+            is_high = ((ratio > 1 + epsilon_high) & (adv_raw > 0)).float()
             is_region = ((is_low > 0) | (is_high > 0)).float()
-            metrics["clip_ratio/low_mean"] = _trl_global_masked_mean(is_low, mask)
-            metrics["clip_ratio/high_mean"] = _trl_global_masked_mean(is_high, mask)
-            metrics["clip_ratio/region_mean"] = _trl_global_masked_mean(is_region, mask)
-            metrics["clip_ratio/low_min"] = _nan_ignoring(torch.min, _trl_masked_seq_mean(is_low, mask))
-            metrics["clip_ratio/high_max"] = _nan_ignoring(torch.max, _trl_masked_seq_mean(is_high, mask))
+            per_seq = importance_sampling_level == "sequence" if length == 1 else None  # None: by shape
+            one_per_seq = is_low.shape[1] == 1 if per_seq is None else per_seq
+            metrics["clip_ratio/low_mean"] = _trl_global_masked_mean(is_low, mask, per_seq)
+            metrics["clip_ratio/high_mean"] = _trl_global_masked_mean(is_high, mask, per_seq)
+            metrics["clip_ratio/region_mean"] = _trl_global_masked_mean(is_region, mask, per_seq)
+            metrics["clip_ratio/low_min"] = _nan_ignoring(torch.min, _trl_masked_seq_mean(is_low, mask, one_per_seq))
+            metrics["clip_ratio/high_max"] = _nan_ignoring(torch.max, _trl_masked_seq_mean(is_high, mask, one_per_seq))
         elif loss_type == "cispo":
-            is_capped = ((ratio > epsilon_high) & (adv > 0)).float()
-            metrics["cispo_clip_ratio"] = _trl_global_masked_mean(is_capped, mask)
+            is_capped = ((ratio > epsilon_high) & (adv_raw > 0)).float()
+            per_seq = importance_sampling_level == "sequence" if length == 1 else None
+            metrics["cispo_clip_ratio"] = _trl_global_masked_mean(is_capped, mask, per_seq)
         elif loss_type == "vespo":
-            metrics["vespo/phi_seq_mean"] = _trl_global_masked_mean(phi, mask)
+            metrics["vespo/phi_seq_mean"] = _trl_global_masked_mean(phi, mask, True if length == 1 else None)
 
-    return ReferenceOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics, per_token_loss=per_token_out)
+    return ReferenceOutput(
+        loss=loss, logp=logp_all, entropy=entropy_all, metrics=metrics, per_token_loss=per_token_out
+    )
+
+
+def _absent(mask: torch.Tensor, x: torch.Tensor, fill) -> torch.Tensor:
+    """x where m != 0, `fill` where m == 0 (a selection: 0 · NaN would be NaN). A (B, 1) x is per sequence: it
+    keeps its value on rows with an active token."""
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return torch.where(mask.bool().any(-1, keepdim=True), x, fill)
+    return torch.where(mask.bool(), x, fill)
 
 
 def _as_float32(value: float) -> float:
@@ -332,7 +363,8 @@ def _vespo_phi(
     """φ = exp(λ + k log w − λ w) per sequence, w the clamped sequence importance weight; NaN/inf -> 0 (constant)."""
     seq_log_ratio = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)  # (B, 1)
     if rho is not None:
-        # log w = log(π/π_old) + log(π_old/π_sampler); ρ is summed over its own last dim, unmasked (disagreement 5)
+        # log w = log(π/π_old) + log(π_old/π_sampler); ρ is summed over its own last dim (disagreement 5; masked
+        # positions hold ρ = 1 here, disagreement 10)
         log_rho = torch.clamp(torch.log(rho), VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
         seq_log_ratio = seq_log_ratio + log_rho.sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_ratio, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
@@ -343,12 +375,16 @@ def _vespo_phi(
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-def _trl_global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+def _trl_global_masked_mean(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool | None = None) -> float:
     """Σ m x / max(Σ m, 1), TRL's `global_masked_mean` verbatim, dtypes included (see the metrics above).
 
-    A tensor whose dim 1 is 1 counts as one value per sequence: a plain mean over all B rows (disagreement 3).
+    A tensor whose dim 1 is 1 counts as one value per sequence: a plain mean over all B rows (disagreement 3). At
+    T = 1 TRL does the same for per-token values, masked tokens included; here (disagreement 10) only a value that
+    is per sequence (`per_sequence`, default: dim 1 is 1 while T > 1) is averaged so.
     """
-    if x.shape[1] == 1:
+    if per_sequence is None:
+        per_sequence = x.shape[1] == 1 and mask.shape[1] != 1
+    if per_sequence:
         local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]))  # float32 count, as TRL
     else:
         local_sum, local_count = (x * mask).sum(), mask.sum().float()
@@ -356,9 +392,9 @@ def _trl_global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
-def _trl_masked_seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence Σ_t m x / Σ_t m (NaN for a fully masked row, as TRL); (B, 1) tensors pass through."""
-    if x.shape[1] == 1:
+def _trl_masked_seq_mean(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch.Tensor:
+    """Per-sequence Σ_t m x / Σ_t m (NaN for a fully masked row, as TRL); per-sequence values pass through."""
+    if per_sequence:
         return x.squeeze(1)
     return (x * mask).sum(-1) / mask.sum(-1)
 

@@ -100,9 +100,11 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
     # V = 1 (degenerate), 2, odd sizes like a scaled-down 151936 / 32001, and something above one chunk of rows.
     vocab = draw(st.sampled_from([1, 2, 7, 33, 151, max_vocab]))
     dtype = draw(st.sampled_from(dtypes))
-    scale_kind = draw(st.sampled_from(["normal", "normal", "extreme", "padded"]))
+    scale_kind = draw(st.sampled_from(["normal", "normal", "extreme", "large", "padded"]))
     logits = torch.randn(batch, length + 2, vocab, generator=gen, dtype=torch.float64) * 3
-    if scale_kind == "extreme":
+    if scale_kind == "large":  # |ℓ| in the hundreds, up to about 1e3: unlikely tokens under large logits
+        logits = logits * 100.0
+    elif scale_kind == "extreme":
         big = 1e4 if dtype == torch.float32 else 300.0
         logits = logits.sign() * big * torch.rand(logits.shape, generator=gen, dtype=torch.float64)
     elif scale_kind == "padded" and vocab > 2:
@@ -122,7 +124,7 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
         options["epsilon_low"] = 0.0
         options["epsilon_high"] = 0.0
         if draw(st.booleans()):
-            options["delta"] = 1.0
+            options["delta"] = 1.5  # (δ > 1: r = 1 = 1 ± ε stays under the cap)
     else:
         options["epsilon_low"] = draw(st.sampled_from([0.2, 0.1]))
         options["epsilon_high"] = draw(st.sampled_from([None, 0.28, 5.0] if loss_type == "cispo" else [None, 0.28]))
@@ -132,14 +134,13 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
     z64 = full.double() / options["temperature"]
     true_logp = z64.log_softmax(-1)[:, 1 : length + 1].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     true_logp = torch.where(torch.isfinite(true_logp), true_logp, torch.full_like(true_logp, -30.0))
-    # With extreme logits ℓ itself is ~ −1e4, whose fp32 ulp is 1e-3: exp(ℓ − ℓ_old) and exp(ℓ_ref − ℓ) are then
-    # ill-conditioned past any fp32 logp (the spec's output dtype), so those cases stay on-policy without a KL.
-    well_conditioned = scale_kind != "extreme"
+    # ℓ is formed in float64 from the row statistics, so exp(ℓ − ℓ_old) and exp(ℓ_ref − ℓ) are exact even where ℓ
+    # itself is ~ −1e4 (whose fp32 ulp is 1e-3): large and extreme logits get off-policy ratios and a KL too.
     old_logp = None
-    if not eps_edge and well_conditioned and draw(st.booleans()):
+    if not eps_edge and draw(st.booleans()):
         old_logp = (true_logp + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
     ref_logp = None
-    if well_conditioned and draw(st.booleans()):
+    if draw(st.booleans()):
         options["beta"] = draw(st.sampled_from([0.04, 0.5]))
         options["use_bias_correction_kl"] = draw(st.booleans())
         ref_logp = (true_logp + 0.5 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
@@ -164,7 +165,7 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
         tensors["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=gen)
     if not token_level_only and draw(st.booleans()):
         options["off_policy_mask_threshold"] = draw(st.sampled_from([0.0, 0.05, 1.0]))
-        if well_conditioned and draw(st.booleans()):
+        if draw(st.booleans()):
             tensors["sampling_logp"] = (true_logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
     active = int((mask if mask is not None else torch.ones(batch, length)).sum())
     if not token_level_only and active > 1 and draw(st.booleans()):
@@ -234,3 +235,103 @@ def check_case(case: Case, backend: str, inplace: bool = False) -> None:
         assert_close(f"metric {name}", torch.as_tensor(value), torch.as_tensor(ref.metrics[name]), tol["loss_rtol"], tol["loss_atol"])
     assert leaf.grad.dtype == dtype
     assert_grad_close(leaf.grad, full64.grad, dtype, upstream_is_one=case.upstream == 1.0, oracle_error=floor)
+
+
+SENTINELS = (math.nan, math.inf, -math.inf, -1e4)  # what masked positions hold in practice: padding and garbage
+
+
+@st.composite
+def masked_sentinel_cases(draw, **kwargs) -> tuple[Case, Case]:
+    """(clean, poisoned): a drawn case with at least one masked token, and the same case with every masked input
+    overwritten by sentinels (NaN, ±inf, −1e4): the logits row (whole, or one column), ℓ_old, ℓ_ref, ℓ_s, a (B, T)
+    ρ or advantage at masked tokens, and a per-sequence ρ of a fully masked row."""
+    case = draw(cases(**kwargs))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    batch, length = case.ids.shape
+    mask = case.mask
+    if mask is None or bool(mask.all()):
+        mask = (torch.rand(batch, length, generator=gen) > 0.4).float()
+        mask[0, 0] = 0.0
+    clean = Case(case.full, case.ids, case.advantages, mask, case.old_logp, case.ref_logp, case.tensors, case.options, case.upstream)
+    masked = ~mask.bool()
+
+    def sentinels(shape) -> torch.Tensor:
+        return torch.tensor(SENTINELS, dtype=torch.float64)[torch.randint(0, len(SENTINELS), shape, generator=gen)]
+
+    def poison(x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        x = x.clone()
+        if x.shape == (batch, length):
+            x[masked] = sentinels((int(masked.sum()),)).to(x.dtype)
+        else:  # per sequence: only a fully masked row's value is a masked input
+            rows = masked.all(-1)
+            x.view(batch, -1)[rows] = sentinels((int(rows.sum()), 1)).to(x.dtype)
+        return x
+
+    full = case.full.clone()
+    view = clean.view(full)
+    whole_row = torch.rand(batch, length, generator=gen) > 0.5
+    column = torch.randint(0, view.shape[-1], (batch, length), generator=gen)
+    for b, t in masked.nonzero().tolist():
+        value = SENTINELS[int(torch.randint(0, len(SENTINELS), (1,), generator=gen))]
+        if whole_row[b, t]:
+            view[b, t] = value
+        else:
+            view[b, t, column[b, t]] = value
+    tensors = dict(case.tensors)
+    for name in ("importance_sampling_ratio", "sampling_logp"):
+        if name in tensors:
+            tensors[name] = poison(tensors[name])
+    # (B, T) advantages at masked tokens; at T = 1 a (B, 1) advantage is the sequence's, which TRL's per-sequence
+    # clip metrics read (its sign) even for a fully masked row, so it is no masked input there.
+    per_token = case.advantages.shape == (batch, length) and length > 1
+    advantages = poison(case.advantages) if per_token else case.advantages
+    poisoned = Case(full, case.ids, advantages, mask, poison(case.old_logp), poison(case.ref_logp), tensors, case.options, case.upstream)
+    return clean, poisoned
+
+
+def run_case(case: Case, backend: str, inplace: bool = False):
+    """(loss, ∂ of the full logits, metrics) of `grpo_loss` on the case."""
+    leaf = case.full.clone().requires_grad_(True)
+    source = leaf * 1 if inplace else leaf
+    out = grpo_loss(
+        case.view(source), case.ids, case.advantages, case.mask, case.old_logp, case.ref_logp,
+        inplace_backward=inplace, backend=backend, **case.tensors, **case.options,
+    )
+    (out.loss * case.upstream).backward()
+    return out.loss.detach(), leaf.grad, out.metrics
+
+
+def check_masked_inputs_are_absent(clean: Case, poisoned: Case, backend: str, inplace: bool = False) -> None:
+    """The loss, every ∂logits element and every metric are those of the clean batch, bit for bit; the gradient of
+    a masked token's row is exactly 0 (a NaN row included)."""
+    loss, grad, metrics = run_case(clean, backend, inplace)
+    p_loss, p_grad, p_metrics = run_case(poisoned, backend, inplace)
+    assert torch.isfinite(p_loss) or not torch.isfinite(loss), f"poisoned loss {p_loss} (clean {loss})"
+    assert torch.equal(p_loss, loss), f"loss {p_loss.item()!r} vs clean {loss.item()!r}"
+    assert torch.equal(p_grad, grad), f"∂logits differs by {(p_grad - grad).abs().nan_to_num(1e300).max().item():.3e}"
+    assert (clean.view(p_grad)[~clean.mask.bool()] == 0).all(), "a masked token's gradient row is not 0"
+    assert p_metrics.keys() == metrics.keys()
+    for name in metrics:
+        assert torch.equal(p_metrics[name], metrics[name]), f"metric {name}: {p_metrics[name]} vs {metrics[name]}"
+
+
+def check_large_log_ratios(backend: str, options: dict) -> None:
+    """One token per call, so the loss's error is that token's: |ℓ| of 1e3 to 1e4 (an fp32 ℓ there is off by up to
+    2.4e-4), off-policy by a few tenths, with a KL. Loss and ∂logits at the fp32 tolerances of `TOLERANCES`."""
+    tol = TOLERANCES[torch.float32]
+    gen = torch.Generator().manual_seed(7)
+    for scale in (300.0, 1000.0, 3000.0):
+        logits = (torch.randn(1, 1, 64, generator=gen, dtype=torch.float64) * scale).float()
+        ids = logits.argmin(-1)  # the least likely token: |ℓ| ≈ 2·scale
+        z = logits.double() / options.get("temperature", 1.0)
+        true = (z.log_softmax(-1).gather(-1, ids.unsqueeze(-1))).squeeze(-1)
+        assert true.abs().min() > 500
+        for shift in (-0.3, 0.15):
+            old = (true + shift).float()
+            ref = (true - 0.4).float()
+            case = Case(logits, ids, torch.ones(1), None, old, ref, {}, {"beta": 0.1, "temperature": 1.0, **options})
+            case.view = lambda full: full  # the logits are the view
+            check_case(case, backend)
+    assert tol["loss_rtol"] == 1e-5

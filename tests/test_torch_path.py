@@ -12,6 +12,7 @@ from grpo_kernels.ops import cpu_rows, torch_rows
 from reference import reference_selective_log_softmax
 
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
+from .oracle_check import check_large_log_ratios, check_masked_inputs_are_absent, masked_sentinel_cases
 
 pytestmark = pytest.mark.usefixtures("nan_empty", "cpu_path")
 
@@ -46,6 +47,21 @@ def test_rows_split_across_chunks(case, monkeypatch, cpu_path):
         pytest.skip("chunks are the torch rows' own")
     monkeypatch.setattr(torch_rows, "CHUNK_ELEMENTS", 64)  # a few rows per chunk, and one row wider than a chunk
     check_case(case, backend="torch")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pair=masked_sentinel_cases())
+def test_masked_inputs_are_absent(pair):
+    """NaN, ±inf and −1e4 at masked positions (logits rows, ℓ_old, ℓ_ref, ℓ_s, ρ, A), every loss type and option:
+    loss, gradient and metrics are those of the same batch with finite values there."""
+    check_masked_inputs_are_absent(*pair, backend="torch")
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 0.7, "loss_type": "sapo"}, {"importance_sampling_level": "sequence", "loss_type": "cispo"}]
+)
+def test_log_ratios_are_exact_for_large_logp(options):
+    check_large_log_ratios("torch", options)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

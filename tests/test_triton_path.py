@@ -11,6 +11,7 @@ from reference import reference_selective_log_softmax
 
 from .conftest import HAS_TRITON_DEVICE
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
+from .oracle_check import check_large_log_ratios, check_masked_inputs_are_absent, masked_sentinel_cases
 
 pytestmark = [
     pytest.mark.usefixtures("nan_empty"),
@@ -35,6 +36,19 @@ def test_every_option_matches_oracle(case):
 @given(case=cases())
 def test_inplace_backward_matches_oracle(case):
     check_case(case, backend="triton", inplace=True)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pair=masked_sentinel_cases())
+def test_masked_inputs_are_absent(pair):
+    """As tests/test_torch_path.py's, through both Triton paths (the one-read kernel, stats + row gradient)."""
+    check_masked_inputs_are_absent(*pair, backend="triton")
+
+
+def test_log_ratios_are_exact_for_large_logp():
+    """The one-read kernel (ℓ in fp64 registers) and the two-read path (ℓ from the row state), |ℓ| 1e3 to 1e4."""
+    for options in ({}, {"temperature": 0.7, "loss_type": "sapo"}, {"importance_sampling_level": "sequence"}):
+        check_large_log_ratios("triton", options)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

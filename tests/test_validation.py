@@ -53,6 +53,22 @@ CASES = [
     (dict(inplace_backward=1), TypeError, "inplace_backward must be a bool"),
     (dict(config={"loss_type": "dapo"}), TypeError, "config must be a LossConfig or None, got dict"),
     (dict(config=LossConfig(), beta="0.1"), TypeError, "beta must be a real number"),  # options over a config
+    # Meaning, not only shape:
+    (dict(completion_mask=torch.full((B, T), -1.0)), ValueError, "completion_mask must hold only 0 and 1"),
+    (dict(completion_mask=torch.full((B, T), 2, dtype=torch.long)), ValueError, "got 2.0 at position (0, 0)"),
+    (dict(completion_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.5, 0.0]])), ValueError, "got 0.5 at position (1, 1)"),
+    (dict(completion_mask=torch.tensor([[1.0, float("nan"), 1.0]] * B)), ValueError, "completion_mask must hold only"),
+    (dict(delta=0.9), ValueError, "delta must be > 1"),
+    (dict(delta=1.0), ValueError, "delta must be > 1"),
+    (dict(beta=-0.01, ref_logp=torch.zeros(B, T)), ValueError, "beta must be >= 0"),
+    (dict(loss_type="vespo", vespo_k_pos=-1.0), ValueError, "vespo_k_pos must be >= 0"),
+    (dict(loss_type="vespo", vespo_k_neg=-0.5), ValueError, "vespo_k_neg must be >= 0"),
+    (dict(loss_type="vespo", vespo_lambda_pos=0.0), ValueError, "vespo_lambda_pos must be > 0"),
+    (dict(loss_type="vespo", vespo_lambda_neg=-2.0), ValueError, "vespo_lambda_neg must be > 0"),
+    (dict(off_policy_mask_threshold=-0.1), ValueError, "off_policy_mask_threshold must be >= 0"),
+    (dict(importance_sampling_ratio=torch.tensor([1.0, -0.5])), ValueError, "importance_sampling_ratio must be >= 0, got -0.5 at position (1, 0)"),
+    (dict(temperature=1e-39), ValueError, "1/temperature is finite in float32"),
+    (dict(check_inputs=1), TypeError, "check_inputs must be a bool"),
 ]
 
 
@@ -127,17 +143,84 @@ def test_second_backward_is_an_error_not_a_wrong_number():
 
 
 @pytest.mark.parametrize(
-    "rewards,kwargs,fragment",
+    "rewards,kwargs,error,fragment",
     [
-        (torch.ones(6), dict(num_generations=4), "num_generations must be a positive divisor"),
-        (torch.ones(2, 3, 1), {}, "rewards must be"),
-        (torch.tensor([1.0, float("nan")]), dict(num_generations=2), "rewards must be finite"),
-        (torch.ones(4), dict(num_generations=2, scale="std"), "scale must be one of"),
+        (torch.ones(6), dict(num_generations=4), ValueError, "num_generations must be a positive divisor"),
+        (torch.ones(2, 3, 1), {}, ValueError, "rewards must be"),
+        (torch.tensor([1.0, float("nan")]), dict(num_generations=2), ValueError, "rewards must be finite"),
+        (torch.ones(4), dict(num_generations=2, scale="std"), ValueError, "scale must be one of"),
+        (torch.ones(4), dict(num_generations=2, eps=0.0), ValueError, "eps must be finite and > 0"),
+        (torch.ones(4), dict(num_generations=2, eps=-1e-4), ValueError, "eps must be finite and > 0"),
+        (torch.ones(4), dict(num_generations=2, eps=float("inf")), ValueError, "eps must be finite and > 0"),
+        (torch.ones(4), dict(num_generations=2, eps="1e-4"), TypeError, "eps must be a real number"),
+        (torch.ones(4), dict(num_generations=True), TypeError, "num_generations must be an int or None, got bool"),
+        (torch.ones(4), dict(num_generations=2.0), TypeError, "num_generations must be an int or None, got float"),
+        (torch.ones(2, 2), dict(num_generations=2.0), TypeError, "num_generations must be an int"),
     ],
 )
-def test_group_advantages_validates(rewards, kwargs, fragment):
-    with pytest.raises(ValueError, match=fragment):
+def test_group_advantages_validates(rewards, kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
         group_advantages(rewards, **kwargs)
+
+
+def test_masks_of_every_dtype_are_accepted_when_zero_one():
+    kwargs = good()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    dtypes = (torch.bool, torch.int32, torch.int64, torch.float32)
+    losses = [grpo_loss(**kwargs, completion_mask=mask.to(dtype), backend="torch").loss for dtype in dtypes]
+    assert all(torch.equal(x, losses[0]) for x in losses)
+    assert torch.isfinite(call(importance_sampling_ratio=torch.tensor([0.0, 2.0])).loss)  # ρ = 0 is allowed
+    assert torch.isfinite(call(temperature=1e-30).loss)  # 1/τ = 1e30 is finite in fp32
+
+
+# check_inputs: non-finite values at unmasked tokens are named with their first position; masked ones are absent.
+NAN, INF = float("nan"), float("inf")
+
+
+def _with(x: torch.Tensor, where: tuple, value: float) -> torch.Tensor:
+    x = x.clone()
+    x[where] = value
+    return x
+
+
+def test_check_inputs_names_the_argument_and_the_first_position():
+    kwargs = good()
+    logits = kwargs.pop("logits")
+    ids, adv = kwargs["completion_ids"], kwargs["advantages"]
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    bad = [
+        (dict(old_logp=_with(torch.zeros(B, T), (1, 2), NAN)), r"old_logp must be finite at unmasked tokens, got nan at position \(1, 2\)"),
+        (dict(old_logp=_with(_with(torch.zeros(B, T), (1, 0), -INF), (1, 2), NAN)), r"old_logp .* got -inf at position \(1, 0\)"),
+        (dict(ref_logp=_with(torch.zeros(B, T), (0, 1), INF), beta=0.1), r"ref_logp must be finite .* got inf at position \(0, 1\)"),
+        (dict(advantages=_with(adv, (1,), NAN)), r"advantages must be finite .* position \(1, 0\)"),
+        (dict(importance_sampling_ratio=_with(torch.ones(B, T), (0, 0), INF)), "importance_sampling_ratio must be finite"),
+        (dict(logits=_with(logits, (1, 1, 3), NAN)), r"logits must be finite at unmasked tokens, got nan at position \(1, 1, 3\)"),
+        (dict(logits=_with(logits, (0, 1, 2), INF)), r"got inf at position \(0, 1, 2\)"),
+        (dict(logits=_with(logits, (0, 0), -INF)), r"a row of only −inf at \(0, 0\)"),
+    ]
+    for changes, fragment in bad:
+        args = {**dict(logits=logits, completion_ids=ids, advantages=adv, completion_mask=mask), **changes}
+        with pytest.raises(ValueError, match=fragment):
+            grpo_loss(**args, check_inputs=True, backend="torch")
+        # off (the default): no error, a NaN or inf loss as before
+        assert not torch.isfinite(grpo_loss(**args, backend="torch").loss) or "ref_logp" in changes
+
+
+def test_check_inputs_ignores_masked_tokens_and_padded_vocabulary():
+    kwargs = good()
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    logits = kwargs["logits"].clone()
+    logits[0, 2] = NAN  # a masked row
+    logits[..., -1] = -INF  # a padded vocabulary column
+    kwargs["completion_ids"] = kwargs["completion_ids"].clamp(max=V - 2)
+    old = _with(torch.zeros(B, T), (0, 2), -1e4)
+    ref = _with(torch.zeros(B, T), (0, 2), INF)
+    rho = _with(torch.ones(B, T), (0, 2), NAN)
+    out = grpo_loss(
+        **{**kwargs, "logits": logits}, completion_mask=mask, old_logp=old, ref_logp=ref, beta=0.1,
+        importance_sampling_ratio=rho, sampling_logp=torch.full((B, T), NAN), check_inputs=True, backend="torch",
+    )  # fmt: skip
+    assert torch.isfinite(out.loss)
 
 
 @pytest.mark.parametrize("loss_fn", ["grpo_loss", "fused_linear_grpo_loss"])

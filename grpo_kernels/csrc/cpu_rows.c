@@ -206,10 +206,11 @@ typedef struct {
     float lo, hi, delta, eps_high, beta, sapo_pos, sapo_neg;
 } Coef;
 
-static float token_coef(const Coef *c, float lp, int64_t r) {
+static float token_coef(const Coef *c, double lp, int64_t r) {
+    /* ℓ comes in float64 (see fused_rows): ℓ − ℓ_old and ℓ_ref − ℓ are formed in float64, then rounded for exp */
     float adv = c->adv[r], w = c->w[r];
-    float old = c->old ? c->old[r] : lp; /* ℓ_old = sg(ℓ): the ratio is exactly 1 */
-    float ratio = expf(lp - old), dl;
+    double old = c->old ? (double)c->old[r] : lp; /* ℓ_old = sg(ℓ): the ratio is exactly 1 */
+    float ratio = expf((float)(lp - old)), dl;
     if (c->loss == 0) {
         float rc = ratio < c->lo ? c->lo : (ratio > c->hi ? c->hi : ratio);
         float db = adv * ratio * (float)(ratio >= c->lo && ratio <= c->hi);
@@ -229,7 +230,7 @@ static float token_coef(const Coef *c, float lp, int64_t r) {
     }
     if (c->rho) dl *= c->rho[r];
     if (c->ref) { /* k3: exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1 */
-        float diff = c->ref[r] - lp, ed = expf(diff), dkl = 1.0f - ed;
+        float diff = (float)((double)c->ref[r] - lp), ed = expf(diff), dkl = 1.0f - ed;
         if (c->bias_kl) dkl = (dkl + (ed - diff - 1.0f)) * ratio;
         dl += c->beta * dkl;
     }
@@ -245,7 +246,9 @@ typedef struct {
     int64_t T, V, sxb, sxt, sob, sot, offset;
     const int64_t *ids; /* [B·T] */
     float k;            /* 1/τ */
+    double k64;         /* 1/τ in float64, for the fused pass's exact ℓ */
     float *logp, *ent;  /* [B·T] */
+    double *logp64;     /* [B·T]: the fused pass's ℓ, in float64 */
     float *state;       /* [B·T, 3] (shift, log Σe, 1 − p_y), or [B·T, 5] partials */
     const float *g, *h; /* [B·T]; h may be NULL */
     const Coef *coef;
@@ -450,22 +453,23 @@ static PyObject *py_grad(PyObject *self, PyObject *args) {
     return dispatch(dtype, BY_DTYPE(dtype, grad_rows), &a, n, threads);
 }
 
-/* fused(x, dtype, B·T, T, V, sxb, sxt, ids, k, out, sob, sot, logp, ent, adv, old, ref, rho, w, hw,
+/* fused(x, dtype, B·T, T, V, sxb, sxt, ids, k, k64, out, sob, sot, logp (float64), ent, adv, old, ref, rho, w, hw,
  *       loss, has_delta, bias_kl, lo, hi, delta, eps_high, beta, sapo_pos, sapo_neg, threads) */
 static PyObject *py_fused(PyObject *self, PyObject *args) {
     unsigned long long x, ids, out, logp, ent, adv, old, ref, rho, w, hw;
     long long n, T, V, sxb, sxt, sob, sot;
     int dtype, threads;
     float k;
+    double k64;
     Coef c;
-    if (!PyArg_ParseTuple(args, "KiLLLLLKfKLLKKKKKKKKiiifffffffi", &x, &dtype, &n, &T, &V, &sxb, &sxt, &ids, &k,
-                          &out, &sob, &sot, &logp, &ent, &adv, &old, &ref, &rho, &w, &hw, &c.loss, &c.has_delta,
+    if (!PyArg_ParseTuple(args, "KiLLLLLKfdKLLKKKKKKKKiiifffffffi", &x, &dtype, &n, &T, &V, &sxb, &sxt, &ids, &k,
+                          &k64, &out, &sob, &sot, &logp, &ent, &adv, &old, &ref, &rho, &w, &hw, &c.loss, &c.has_delta,
                           &c.bias_kl, &c.lo, &c.hi, &c.delta, &c.eps_high, &c.beta, &c.sapo_pos, &c.sapo_neg,
                           &threads))
         return NULL;
     c.adv = PTR(adv), c.old = PTR(old), c.ref = PTR(ref), c.rho = PTR(rho), c.w = PTR(w), c.hw = PTR(hw);
     Rows a = {.x = PTR(x), .out = PTR(out), .T = T, .V = V, .sxb = sxb, .sxt = sxt, .sob = sob, .sot = sot,
-              .ids = PTR(ids), .k = k, .logp = PTR(logp), .ent = PTR(ent), .coef = &c};
+              .ids = PTR(ids), .k = k, .k64 = k64, .logp64 = PTR(logp), .ent = PTR(ent), .coef = &c};
     return dispatch(dtype, BY_DTYPE(dtype, fused_rows), &a, n, threads);
 }
 

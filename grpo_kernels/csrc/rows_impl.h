@@ -101,6 +101,11 @@ static ALWAYS_INLINE void CAT(row_grad_store_, SFX)(const ELEM *row, ELEM *orow,
     }
 }
 
+/* A row whose g and h are both 0 (a masked token): exact zeros, its logits never read (NaN there stays out). */
+static ALWAYS_INLINE void CAT(row_zero_store_, SFX)(ELEM *orow, int64_t V) {
+    for (int64_t i = 0; i < V; i++) STORE(orow, i, 0.0f);
+}
+
 /* (logp, entropy, state = (shift, log Σe, 1 − p_y)) of one row; returns log Σe and sets *q, *c = Σ p·z. */
 static ALWAYS_INLINE void CAT(row_stats_one_, SFX)(const ELEM *row, int64_t V, int64_t y, float k, float *shift_out,
                                                    float *logp, float *ent, float *log_sum_out, float *q_out,
@@ -142,6 +147,10 @@ static NOINLINE CLONES void CAT(grad_rows_, SFX)(const Rows *a, int64_t r0, int6
         const float *st = a->state + 3 * r;
         float shift = st[0] == -INFINITY ? 0.0f : st[0];
         float h = a->h ? a->h[r] : 0.0f;
+        if (a->g[r] == 0.0f && h == 0.0f) {
+            CAT(row_zero_store_, SFX)(out + b * a->sob + t * a->sot, a->V);
+            continue;
+        }
         CAT(row_grad_store_, SFX)(x + b * a->sxb + t * a->sxt, out + b * a->sob + t * a->sot, a->V,
                                   a->ids[r] - a->offset, shift, a->k, st[1], st[2], st[1] - a->ent[r], a->g[r], h,
                                   a->h != NULL);
@@ -154,10 +163,19 @@ static NOINLINE CLONES void CAT(fused_rows_, SFX)(const Rows *a, int64_t r0, int
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / a->T, t = r % a->T;
         const ELEM *row = x + b * a->sxb + t * a->sxt;
-        float shift, log_sum, q, c;
-        CAT(row_stats_one_, SFX)(row, a->V, a->ids[r], a->k, &shift, &a->logp[r], &a->ent[r], &log_sum, &q, &c);
-        float g = token_coef(a->coef, a->logp[r], r);
+        float shift, log_sum, q, c, lp32;
+        int64_t y = a->ids[r];
+        CAT(row_stats_one_, SFX)(row, a->V, y, a->k, &shift, &lp32, &a->ent[r], &log_sum, &q, &c);
+        /* ℓ in float64 as ops/rows.py `exact_logp`: (x_y − m)/τ − log Σe, the fp32 form where z_y > −20 */
+        double z_y = ((double)LOAD(row, y) - (double)shift) * a->k64;
+        double lp = z_y > -20.0 ? (double)lp32 : z_y - (double)log_sum;
+        a->logp64[r] = lp;
+        float g = token_coef(a->coef, lp, r);
         float h = a->coef->hw ? a->coef->hw[r] : 0.0f;
+        if (g == 0.0f && h == 0.0f) {
+            CAT(row_zero_store_, SFX)(out + b * a->sob + t * a->sot, a->V);
+            continue;
+        }
         CAT(row_grad_store_, SFX)(row, out + b * a->sob + t * a->sot, a->V, a->ids[r], shift, a->k, log_sum, q, c,
                                   g, h, a->coef->hw != NULL);
     }

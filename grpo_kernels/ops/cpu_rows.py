@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import LossConfig
 from . import torch_rows
-from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, empty_row_state
+from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, empty_row_state, gather_target_logit
 
 try:
     from .. import _cpu_rows as _ext
@@ -146,6 +146,9 @@ def _head(logits: torch.Tensor, ids: torch.Tensor) -> tuple:
 # The row-backend interface (api.py, vocab_parallel.ShardBackend)
 
 
+target_logit = gather_target_logit  # the RowBackend's O(B·T) gather of x_y
+
+
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,7 +229,9 @@ def fused_token_grad(
     out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over each row for the token-level losses: ℓ, H, g = ∂loss/∂ℓ and ∂logits (the interface of
-    triton_logits.fused_token_grad: loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H; `out` may be `logits`)."""
+    triton_logits.fused_token_grad: loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H; `out` may be `logits`). logp is
+    float64 and g is formed from it (ops/rows.py `exact_logp`); a row with weight 0 and entropy weight 0 gets exact
+    zeros, its logits unread."""
     batch, length, vocab = _check_rows(logits, ids)
     if cfg.is_sequence_level or cfg.loss_type not in FUSED_LOSS_CODES:
         raise ValueError(
@@ -250,11 +255,11 @@ def fused_token_grad(
     }  # fmt: skip
     if not _supported(logits):
         raise RuntimeError("cpu_rows.fused_token_grad needs the _cpu_rows extension (see available())")
-    logp = torch.empty(batch, length, dtype=torch.float32)
+    logp = torch.empty(batch, length, dtype=torch.float64)  # ℓ exact in float64 (ops/rows.py `exact_logp`)
     entropy = torch.empty(batch, length, dtype=torch.float32)
     flat = _flat_ids(ids)
     _ext.fused(
-        *_head(logits, flat), 1.0 / temperature, out.data_ptr(), out.stride(0), out.stride(1),
+        *_head(logits, flat), 1.0 / temperature, 1.0 / temperature, out.data_ptr(), out.stride(0), out.stride(1),
         logp.data_ptr(), entropy.data_ptr(), *(_ptr(x) for x in per_token.values()),
         FUSED_LOSS_CODES[cfg.loss_type], cfg.delta is not None, cfg.use_bias_correction_kl,
         1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,

@@ -44,9 +44,28 @@ def empty_row_state(
     return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=stats_dtype(dtype), device=device)
 
 
+def gather_target_logit(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x_y of each row, [B, T] float64 (exact: every logits dtype is a subset of float64); an O(B·T) gather."""
+    return logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1).double()
+
+
+def exact_logp(
+    target_logit: torch.Tensor, row_state: torch.Tensor, temperature: float, logp: torch.Tensor
+) -> torch.Tensor:
+    """ℓ in float64 from the row state: (x_y − m)/τ − s, formed in float64 from the raw target logit x_y and the
+    state's raw max m and s = log Σe. Exact to the fp32 rounding of s (|s| <= log V, so about 1e-6 absolute) for
+    any |ℓ|, where the fp32 ℓ of size 1e3 carries 6e-5: exp(ℓ − ℓ_old) and the KL then match float64 to 1e-5.
+    Where z'_y > −20 (ℓ near 0, peaked rows) the backend's own fp32 ℓ, formed without cancellation, is kept."""
+    z_y = (target_logit - row_state[..., 0].double()) / temperature
+    return torch.where(z_y > -20.0, logp.double(), z_y - row_state[..., 1].double())
+
+
 class FusedTokenGrad(Protocol):
     """The one-read fused pass of the token-level losses (`LossConfig.is_fused`): ℓ, H, the token coefficient
-    g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy), each [B, T] float32; writes `out`."""
+    g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy): logp [B, T] float64, formed as
+    (x_y − m)/τ − s in float64 (exact next to the fp32 row statistics, see `exact_logp`), entropy [B, T] float32;
+    writes `out`. g is formed from that float64 ℓ. A token with weight 0 and entropy weight 0 (masked) gets an
+    exactly zero gradient row, whatever its logits and per-token inputs hold (the `row_grad` contract)."""
 
     def __call__(
         self,
@@ -91,7 +110,14 @@ class RowBackend(Protocol):
         out: torch.Tensor,
     ) -> None:
         """out = (g·(onehot(y) − p) − h·p·(z' − c)) / τ, in out's dtype; `out` may be `logits` itself. An id outside
-        [0, V) (a target in another vocabulary shard) contributes no one-hot."""
+        [0, V) (a target in another vocabulary shard) contributes no one-hot. A row with g = 0 and h = 0 (or None),
+        a masked token, is written as exact zeros whatever its logits and row state hold (NaN, ±inf): masked means
+        absent (docs/loss.md)."""
+        ...
+
+    def target_logit(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The raw logit of each row's target, [B, T] float64, exact (O(B·T); `gather_target_logit` for a backend
+        that holds the whole row). With the row state it gives ℓ in float64 (`exact_logp`)."""
         ...
 
     def shard_partials(self, logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:

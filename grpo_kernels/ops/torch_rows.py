@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, stats_dtype
+from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, gather_target_logit, stats_dtype
 
 # 4 Mi float32 elements = 16 MiB per temporary: big enough to amortize op overhead on a CPU, small next to the
 # logits (a 4096 x 32000 batch is 131 Mi elements).
@@ -25,6 +25,7 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 fused_token_grad: FusedTokenGrad | None = None  # no one-read pass here (the RowBackend capability)
+target_logit = gather_target_logit  # the RowBackend's O(B·T) gather of x_y
 
 
 def _row_chunks(batch: int, length: int, vocab: int) -> Iterator[tuple[int, slice]]:
@@ -85,7 +86,8 @@ def row_grad(
     temperature: float,
     out: torch.Tensor,
 ) -> None:
-    """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, written chunk by chunk; `out` may be `logits` itself.
+    """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, written chunk by chunk; `out` may be `logits` itself. A row
+    with g = h = 0 is exactly 0, even when its logits are NaN (the RowBackend contract).
 
     An id outside [0, V) (the logits are one vocabulary shard, `ids` shard-local, `state` the merged full-vocabulary
     one of vocab_parallel.merge_partials) contributes no one-hot."""
@@ -107,6 +109,9 @@ def row_grad(
             grad = torch.where(p > 0, p * centered, 0.0).mul_(-h[b, ts].unsqueeze(-1))  # −h·p·(z' − Σpz')
             p.scatter_(-1, y, torch.where(inside, 0.0, p.gather(-1, y)))  # the target's −g·p_y is in `target`
             grad.sub_(g_b * p).scatter_add_(-1, y, torch.where(inside, target, 0.0))
+        # A row with g = h = 0 (a masked token) is exactly 0 whatever its logits hold (NaN · 0 would be NaN).
+        absent = g_b == 0 if h is None else (g_b == 0) & (h[b, ts].unsqueeze(-1) == 0)
+        grad.masked_fill_(absent, 0.0)
         if temperature != 1.0:
             grad /= temperature
         out[b, ts] = grad

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..config import LossConfig
-from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
+from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state, gather_target_logit
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
@@ -101,12 +102,19 @@ def _row_grad_store(
     NUM_STAGES: tl.constexpr,
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile. Each tile is read before it is
-    written, so `p_o` may point at the logits themselves."""
+    written, so `p_o` may point at the logits themselves. A row with g = h = 0 (a masked token) is stored as zeros
+    without reading its logits, so a NaN row stays out of the gradient (the RowBackend contract)."""
     o_b = tl.arange(0, BLOCK_V)
+    b_live = b_g != 0.0
+    if HAS_ENT:
+        b_live = b_live | (b_h != 0.0)
     b_hl = b_h * LN2  # h·(z' − c) = h·ln2·(z2 − c2)
+    V_read = tl.where(b_live, V, 0)  # a row with g = h = 0 is not read (its loads are masked off), stored as zeros
     for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
         m_v = o_b < V - v0  # tile-relative offsets, as in pass 1
-        b_x = tl.load(p_x + v0 + o_b, mask=m_v, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+        b_x = tl.load(
+            p_x + v0 + o_b, mask=o_b < V_read - v0, other=float("-inf"), eviction_policy="evict_first"
+        ).to(tl.float32)
         b_z = (b_x - b_mx) * k2  # [BLOCK_V], as in pass 1
         b_p = tl.exp2(b_z - b_log2s)
         if HAS_ENT:
@@ -115,6 +123,7 @@ def _row_grad_store(
             b_d = tl.where(o_b == y - v0, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
         else:
             b_d = tl.where(o_b == y - v0, b_g * b_q, -b_g * b_p)
+        b_d = tl.where(b_live, b_d, 0.0)
         tl.store(p_o + v0 + o_b, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
 
 
@@ -275,6 +284,15 @@ def shard_partials_fwd_kernel(
         tl.store(p_p + 4, tl.where(inside, tl.where(b_live, b_q * b_s, 0.0), b_s))  # Σ_{v≠y} e
 
 
+@triton.jit
+def _exact_logp(p_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo):
+    """ℓ = (x_y − m)/τ − s in fp64 from the raw target logit (one scalar load, the row is in cache), the raw max m
+    and log2 Σe: exact to the fp32 rounding of s (|s| <= log V), whatever |ℓ|; 1/τ = inv_tau + inv_tau_lo."""
+    b_xy = tl.load(p_x + y).to(tl.float64)
+    b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
+    return (b_xy - tl.cast(b_mx, tl.float64)) * b_inv - tl.cast(b_log2s, tl.float64) * 0.6931471805599453
+
+
 # The one justified copy of the per-token objective outside loss_math (see the module docstring): the token-level
 # subset, in registers, for the one-read fused pass. Any change to loss_math's token-level math must be made here too.
 @triton.jit
@@ -299,8 +317,12 @@ def _token_coef(
     BIAS_KL: tl.constexpr,
 ):
     """g = ∂loss/∂ℓ of w·(ρ·L + β·kl) for one token, with torch autograd's tie rules (clamp passes the gradient
-    on the closed interval, minimum splits ties). Selects are written so that a NaN ratio stays NaN."""
-    b_r = tl.exp(b_lp - b_old)  # old = ℓ itself when not given: exactly 1 (NaN for a NaN ℓ, as in torch)
+    on the closed interval, minimum splits ties). Selects are written so that a NaN ratio stays NaN.
+
+    `b_lp` is the fp64 ℓ of `_exact_logp`: ℓ − ℓ_old and ℓ_ref − ℓ are formed in fp64 (exact for any |ℓ|, where
+    an fp32 ℓ of size 1e3 would carry 6e-5 of rounding into exp), then rounded to fp32, whose relative rounding
+    of a difference of size d costs exp only d·6e-8; the rest stays in fp32 registers."""
+    b_r = tl.exp((b_lp - b_old).to(tl.float32))  # old = ℓ itself when not given: exactly 1 (NaN for a NaN ℓ)
     if LOSS == 0:  # grpo, bnpo, dr_grpo, dapo, luspo: −min(r·A, clamp(r, lo, hi)·A)
         b_rc = tl.where(b_r < lo, lo, tl.where(b_r > hi, hi, b_r))
         b_db = b_adv * b_r * ((b_r >= lo) & (b_r <= hi)).to(tl.float32)
@@ -322,7 +344,7 @@ def _token_coef(
     if HAS_RATIO:
         b_dl = b_dl * b_rho
     if HAS_REF:  # k3 estimator exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1
-        b_diff = b_lref - b_lp
+        b_diff = (b_lref - b_lp).to(tl.float32)
         b_ed = tl.exp(b_diff)
         b_dkl = 1.0 - b_ed
         if BIAS_KL:  # kl·r, r before any delta clamp
@@ -353,7 +375,7 @@ def fused_token_grad_fwd_kernel(
     x_ptr,  # [B, T, V] logits
     y_ptr,  # [B, T] ids
     out_ptr,  # [B, T, V] ∂loss/∂logits, may alias x_ptr
-    logp_ptr,  # [B, T] fp32, contiguous
+    logp_ptr,  # [B, T] fp64, contiguous
     ent_ptr,  # [B, T] fp32, contiguous
     adv_ptr,  # [B, T] advantages (stride 0 along T for per-sequence values)
     old_ptr,  # [B, T] or None
@@ -384,6 +406,7 @@ def fused_token_grad_fwd_kernel(
     stride_hwt,
     k2,
     inv_tau,
+    inv_tau_lo,  # 1/τ − fp32(1/τ): with inv_tau, 1/τ to about 48 bits for the fp64 ℓ
     lo,  # 1 − ε_low
     hi,  # 1 + ε_high
     delta,
@@ -425,8 +448,8 @@ def fused_token_grad_fwd_kernel(
             b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
 
         b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
-        b_lp = (b_zy - b_log2s) * LN2
-        tl.store(logp_ptr + i_row, b_lp)
+        b_lp = _exact_logp(x_ptr + o_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
+        tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         if not HAS_OLD:
             b_old = b_lp  # ℓ_old = sg(ℓ): the ratio is exactly 1
@@ -572,6 +595,9 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
 # The launchers: the RowBackend interface (ops/rows.py)
 
 
+target_logit = gather_target_logit  # the RowBackend's O(B·T) gather of x_y (a torch gather)
+
+
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -685,23 +711,24 @@ def fused_token_grad(
         is_ratio: [B, T] ρ or None. entropy_weight: [B, T] or None.
         out: [B, T, V] in the logits' dtype; may be `logits` itself.
     Returns:
-        (logp, entropy), each [B, T] float32.
+        (logp, entropy): logp [B, T] float64 (`_exact_logp`), entropy [B, T] float32.
     """
     batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight)
     assert cfg.is_fused and (ref_logp is not None) == (cfg.beta != 0.0), (cfg, ref_logp is None)
     _assert_out(out, logits)
-    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
     grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    inv_tau = float(np.float32(1.0 / temperature))
     fused_token_grad_fwd_kernel[grid](
         logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight,
         rows, length, vocab,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
         *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(is_ratio),
         *_strides(weight), *_strides(entropy_weight),
-        LOG2E / temperature, 1.0 / temperature,
+        LOG2E / temperature, inv_tau, 1.0 / temperature - inv_tau,
         1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
         cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
         LOSS=FUSED_LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,

@@ -35,6 +35,7 @@ LOSS_HELP = {
     "off_policy_mask_threshold": "mask negative-advantage sequences this far off-policy",
     "top_entropy_quantile": "train only on the top-q entropy tokens",
     "entropy_coef": "entropy bonus coefficient",
+    "check_inputs": "raise on NaN/inf at unmasked tokens (logits included: one more pass over them)",
 }
 # Fields a resumed run may change freely: where and how it reports, not what it computes.
 HARMLESS_FIELDS = (
@@ -205,11 +206,6 @@ class TrainConfig:
             self.loss = LossConfig(**self.loss)
         if not isinstance(self.loss, LossConfig):
             raise TypeError(f"loss must be a grpo_kernels.LossConfig, got {type(self.loss).__name__}")
-        if self.loss.beta < 0:
-            raise ValueError(
-                f"beta must be >= 0, got {self.loss.beta}: it weighs the KL penalty that keeps the policy near the "
-                "reference; a negative beta would reward moving away from it (the loss would be -KL)"
-            )
         # sampling and the loss share the temperature and the length limit (dr_grpo's normalizer)
         self.loss = replace(self.loss, temperature=self.temperature, max_completion_length=self.max_completion_length)
 

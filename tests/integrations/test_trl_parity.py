@@ -142,9 +142,14 @@ def make_inputs(
         tm[1, 1] = 0
         inputs["tool_mask"] = tm
     if is_ratio == "token":  # vllm_importance_sampling_mode token_*: [B, T]
-        inputs["importance_sampling_ratio"] = torch.exp(0.2 * torch.randn(B, T, generator=g))
-    elif is_ratio == "sequence":  # sequence_*: [B, 1]
-        inputs["importance_sampling_ratio"] = torch.exp(0.2 * torch.randn(B, 1, generator=g))
+        rho = torch.exp(0.2 * torch.randn(B, T, generator=g))
+        # ordinary padding: ρ = 1 where no token counts (vespo's φ sums log ρ over every position in TRL, over the
+        # active ones here: the two agree when padded positions hold 1)
+        active = completion_mask.bool() & (inputs["tool_mask"].bool() if tool_mask else True)
+        inputs["importance_sampling_ratio"] = torch.where(active, rho, 1.0)
+    elif is_ratio == "sequence":  # sequence_*: [B, 1]; 1 for the empty completion (row 3), as ordinary padding
+        rho = torch.exp(0.2 * torch.randn(B, 1, generator=g))
+        inputs["importance_sampling_ratio"] = torch.where(completion_mask.bool().any(-1, keepdim=True), rho, 1.0)
     return inputs
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FLOAT_ARGS = ("k2", "inv_tau", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg", "inv_t")
+FLOAT_ARGS = ("k2", "inv_tau", "inv_tau_lo", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg", "inv_t")
 # (pointer, flag): the pointer is None (a None constexpr, as at launch) when its kernel's flag is False
 OPTIONAL_PTRS = (
     ("h_ptr", "HAS_ENT"), ("hw_ptr", "HAS_ENT"), ("old_ptr", "HAS_OLD"), ("ref_ptr", "HAS_REF"),
@@ -222,6 +222,8 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
             signature[name] = f"*{dtype}"
         elif name in ID_PTRS:
             signature[name] = "*i64"
+        elif name == "logp_ptr" and cfg["kernel"] == "fused_token_grad_fwd_kernel":
+            signature[name] = "*fp64"  # the fused pass stores ℓ in float64
         elif name in FP32_PTRS:
             signature[name] = "*fp32"
         elif name in FLOAT_ARGS:

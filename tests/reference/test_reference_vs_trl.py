@@ -208,6 +208,9 @@ def make_case(
     if is_ratio is not None:  # a float64 ρ: TRL takes log ρ in the dtype it is given (float32 would round)
         ratio_shape = {"BT": (batch, length), "B1": (batch, 1), "B": (batch,)}[is_ratio]
         rho = torch.exp(0.3 * torch.randn(ratio_shape, generator=gen, dtype=torch.float64))
+        if completion_mask is not None:  # ordinary padding: ρ = 1 where nothing was sampled
+            active = completion_mask.bool() if is_ratio == "BT" else completion_mask.bool().any(-1)
+            rho = torch.where(active.reshape(rho.shape), rho, 1.0)
     return Case(
         logits=logits,
         ids=ids,
@@ -256,7 +259,7 @@ OPTION_CASES = [
     ("grpo", {}, {"is_ratio": "BT"}),  # token-level TIS ratio
     ("grpo", {}, {"is_ratio": "B1"}),  # sequence-level ratio
     ("dapo", {"importance_sampling_level": "sequence"}, {"is_ratio": "B"}),  # (B,) is read as (B, 1)
-    ("vespo", {}, {"is_ratio": "BT"}),  # folded into φ: Σ log ρ over all T, unmasked
+    ("vespo", {}, {"is_ratio": "BT"}),  # folded into φ: Σ log ρ over all T (padded positions hold ρ = 1)
     ("vespo", {}, {"is_ratio": "B1"}),  # folded into φ once per sequence
     ("grpo", {"off_policy_mask_threshold": 0.05}, {"sampling": True}),  # drops some negative-A sequences
     ("dapo", {"off_policy_mask_threshold": 0.0}, {}),  # sampling log-probs default to old
@@ -301,7 +304,21 @@ def test_masks_and_old_logp(mask, old, loss_type):
 # T == 1: TRL's metric helpers read any (B, 1) tensor as per-sequence values (reference/grpo.py, disagreement 3).
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo", "cispo"])  # clip metrics, phi and cispo metrics
 def test_single_token_completions(loss_type):
-    assert_matches_trl(make_case(2, batch=4, length=1, options={"loss_type": loss_type, "beta": 0.05}, ref=True))
+    options = {"loss_type": loss_type, "beta": 0.05}
+    assert_matches_trl(make_case(2, batch=4, length=1, mask="ones", options=options, ref=True))
+    # With masked tokens TRL's T = 1 metrics average over every row, masked ones included (reference disagreement
+    # 3b); ours leave masked tokens out (disagreement 10). The loss and the gradient are TRL's.
+    case = make_case(2, batch=4, length=1, options=options, ref=True)
+    trl_loss, trl_grad, _ = run_trl(case)
+    loss, grad, metrics = run_oracle(case)
+    assert abs(loss - trl_loss) <= RTOL * max(1.0, abs(trl_loss))
+    assert (grad - trl_grad).abs().max().item() <= RTOL * max(1.0, trl_grad.abs().max().item())
+    ref = reference_grpo_loss(
+        case.logits, case.ids, case.advantages, case.mask, case.old_logp, case.ref_logp, **case.options
+    )
+    active = case.mask.bool()
+    assert 0 < active.sum() < active.numel()
+    assert metrics["entropy"] == pytest.approx(ref.entropy.detach()[active].mean().item(), rel=1e-12)
 
 
 def test_vocabulary_of_one():  # V = 1: ℓ = 0 and H = 0 everywhere, the gradient is exactly 0
@@ -343,12 +360,14 @@ def random_cases(draw) -> Case:
         options["world_size"] = draw(st.sampled_from([1, 2, 4]))
     if loss_type == "dr_grpo" and draw(st.booleans()):
         options["max_completion_length"] = draw(st.integers(1, 12))
+    length = draw(st.integers(1, 6))
     return make_case(
         draw(st.integers(0, 2**31 - 1)),
         batch=draw(st.integers(1, 4)),
-        length=draw(st.integers(1, 6)),
+        length=length,
         vocab=draw(st.integers(1, 11)),
-        mask=draw(st.sampled_from(["ones", "partial", "partial", "none_active"])),
+        # (at T = 1 TRL's metrics count masked tokens: test_single_token_completions)
+        mask=draw(st.sampled_from(["ones", "partial", "partial", "none_active"] if length > 1 else ["ones"])),
         old=draw(st.booleans()),
         ref=ref,
         is_ratio=draw(st.sampled_from([None, None, "BT", "B1", "B"])),
