@@ -494,7 +494,9 @@ REFERENCE_SMS = 132
 REFERENCE_L2_BYTES = 50 << 20  # also the fallback when the device does not report its L2 size
 IN_FLIGHT_PER_SM = 32 << 10  # bytes of loads in flight per SM, averaged over all SMs
 L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fill (the gradient streams beside them)
-MAX_PROGRAMS_PER_SM = 4  # the persistent grid never asks for more (two-pass kernels)
+# The persistent grid never asks for more (two-pass kernels): 3 leaves the fused kernel of an 8-warp row (V up to
+# 32768) 80 registers, which its float64 log-ratio scalars need (at 4 it is capped at 64 and spills)
+MAX_PROGRAMS_PER_SM = 3
 MAX_PIPELINE_BYTES = 192 << 10  # shared memory for the tiles in flight of one program (227 KiB per block on sm_90)
 
 

@@ -69,7 +69,8 @@ def main() -> None:
     code = os.waitstatus_to_exitcode(status)
     if code < 0 or 128 < code < 128 + signal.NSIG:  # the program died of a signal: so does the launcher
         sig = -code if code < 0 else code - 128
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, and refuse a handler
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(code)
 
