@@ -17,7 +17,7 @@ from .config import LossConfig, make_config
 from .dispatch import pick_backend
 from .distributed import check_group, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective, per_token_objective
-from .ops.rows import RowBackend, exact_logp
+from .ops.rows import RowBackend
 from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs
 from .vocab_parallel import ShardBackend, shard_offset
 
@@ -87,11 +87,9 @@ def forward_rows(
         return loss, logp.float(), entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
-    logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
-    # ℓ in float64 from the row state and the gathered target logit (O(B·T)): exp(ℓ − ℓ_old) and the KL are then
-    # exact for any |ℓ|, not only to the fp32 rounding of ℓ.
-    logp64 = exact_logp(backend.target_logit(logits, ids), row_state, cfg.temperature, logp)
-    logp = logp64.to(logp.dtype)  # float32 (float64 for float64 logits)
+    # ℓ comes in float64 (ops/rows.py, "ℓ in float64"): exp(ℓ − ℓ_old) and the KL are exact for any |ℓ|.
+    logp64, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
+    logp = logp64.to(entropy.dtype)  # float32 (float64 for float64 logits)
     with torch.enable_grad():
         lp = logp64.detach().requires_grad_(out is not None)  # a tensor of its own, also for float64 logits
         ent = entropy.detach().double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
@@ -137,9 +135,8 @@ class _PerTokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, cfg, backend, inp, inplace, metrics_out):  # type: ignore[override]
-        logp, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
-        logp64 = exact_logp(backend.target_logit(logits, ids), row_state, cfg.temperature, logp)  # see forward_rows
-        logp = logp64.to(logp.dtype)
+        logp64, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)  # ℓ float64, see forward_rows
+        logp = logp64.to(entropy.dtype)
         with torch.enable_grad():
             lp = logp64.detach().requires_grad_(ctx.needs_input_grad[0])  # a tensor of its own, also for float64
             per_token, metrics = per_token_objective(lp, entropy.detach().double(), inp, cfg)
@@ -177,7 +174,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logp, entropy, row_state = backend.row_stats(logits, ids, temperature)
         ctx.save_for_backward(logits, ids, row_state)
         ctx.temperature, ctx.backend = temperature, backend
-        return logp, entropy
+        return logp.to(entropy.dtype), entropy  # ℓ rounded once, from its float64 value
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]

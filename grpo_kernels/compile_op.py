@@ -18,7 +18,7 @@ import torch
 from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
 from .dispatch import pick_backend
 from .loss_math import grpo_objective
-from .ops.rows import RowBackend, empty_row_state, exact_logp, gather_target_logit, stats_dtype
+from .ops.rows import RowBackend, empty_row_state, stats_dtype
 from .validation import check_ids, check_ids_range, check_logits, token_inputs
 
 
@@ -30,7 +30,7 @@ def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
 def row_stats_op(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state) from one read of the logits."""
+    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/rows.py, "ℓ in float64")."""
     check_ids_range(ids, logits.shape[-1])
     return _rows(backend, logits).row_stats(logits, ids, temperature)
 
@@ -38,8 +38,9 @@ def row_stats_op(
 @row_stats_op.register_fake
 def _(logits, ids, temperature, backend):
     batch, length, _ = logits.shape
-    stats = logits.new_empty((batch, length), dtype=stats_dtype(logits.dtype))
-    return stats, torch.empty_like(stats), empty_row_state(batch, length, logits.device, logits.dtype)
+    entropy = logits.new_empty((batch, length), dtype=stats_dtype(logits.dtype))
+    logp = logits.new_empty((batch, length), dtype=torch.float64)
+    return logp, entropy, empty_row_state(batch, length, logits.device, logits.dtype)
 
 
 @torch.library.custom_op("grpo_kernels::row_grad", mutates_args=())
@@ -134,9 +135,6 @@ def compiled_grpo_loss(
     batch, length, _ = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
     inp = token_inputs(batch, length, logits.device, *tensors, beta=cfg.beta, data_group=data_group)
-    logp, entropy, state = row_stats_op(logits, ids, cfg.temperature, backend)
-    # ℓ's value in float64 from the row state (ops/rows.py `exact_logp`), its gradient through the op's ℓ
-    exact = exact_logp(gather_target_logit(logits.detach(), ids), state.detach(), cfg.temperature, logp.detach())
-    logp64 = logp.double() + (exact - logp.detach().double())
-    loss, metrics = grpo_objective(logp64, entropy.double(), inp, cfg)
-    return loss.to(logp.dtype), logp.detach(), entropy.detach(), metrics
+    logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
+    loss, metrics = grpo_objective(logp, entropy.double(), inp, cfg)
+    return loss.to(entropy.dtype), logp.detach().to(entropy.dtype), entropy.detach(), metrics

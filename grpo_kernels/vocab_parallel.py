@@ -32,14 +32,21 @@ def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.devic
 
 def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[P, B, T, 5] partials of every rank (`RowBackend.shard_partials`) -> (logp, entropy, row_state) of the full
-    vocabulary, row_state in the shared layout of ops/rows.py."""
-    m, scale, total, weighted = _merge_sums(gathered[..., 0], gathered[..., 1], gathered[..., 2], 1.0 / temperature)
-    others = (scale * gathered[..., 4]).sum(0)
+    vocabulary, row_state in the shared layout of ops/rows.py. Merged in float64, so ℓ is float64 as every
+    backend's (ops/rows.py, "ℓ in float64"); entropy and row_state in the partials' dtype."""
+    dtype = gathered.dtype
+    parts = gathered.double()
+    m, scale, total, weighted = _merge_sums(parts[..., 0], parts[..., 1], parts[..., 2], 1.0 / temperature)
+    z_y = (parts[..., 3].amax(0) - m) / temperature  # the raw target logit is in the one shard that holds it
+    e_y = torch.exp(z_y)
+    # Σ_{v≠y} e over every shard, with the target's own term in float64 (its shard's fp32 one left out of total)
+    others = (scale * parts[..., 4]).sum(0)
+    total = others + e_y
     log_sum = torch.log(total)
-    z_y = (gathered[..., 3].amax(0) - m) / temperature
-    logp = torch.where(z_y > -20.0, -torch.log1p(others / torch.exp(z_y)), z_y - log_sum)  # as torch_rows
-    entropy = log_sum - weighted / total
-    return logp, entropy, torch.stack([m, log_sum, others / total, log_sum - entropy], dim=-1)
+    logp = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)  # as torch_rows
+    entropy = (log_sum - weighted / total).to(dtype)
+    s = log_sum.to(dtype)
+    return logp, entropy, torch.stack([m.to(dtype), s, (others / total).to(dtype), s - entropy], dim=-1)
 
 
 def _merge_sums(
@@ -69,14 +76,7 @@ class ShardBackend:
         parts = self.rows.shard_partials(logits, ids, self.offset, temperature)
         gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(gathered, parts, group=self.group)
-        every = torch.stack(gathered)
-        # The raw target logit is in the partials of the one shard that holds it (−inf elsewhere); kept for
-        # `target_logit`, which the loss calls right after this (a ShardBackend serves one call).
-        self._target = every[..., 3].amax(0)
-        return merge_partials(every, temperature)
-
-    def target_logit(self, logits, ids):
-        return self._target.double()
+        return merge_partials(torch.stack(gathered), temperature)
 
     def row_grad(self, logits, ids, state, g, h, temperature, out):
         self.rows.row_grad(logits, ids - self.offset, state, g, h, temperature, out)

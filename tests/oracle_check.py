@@ -335,3 +335,29 @@ def check_large_log_ratios(backend: str, options: dict) -> None:
             case.view = lambda full: full  # the logits are the view
             check_case(case, backend)
     assert tol["loss_rtol"] == 1e-5
+
+
+def check_cancelling_coefficient(backend: str, options: dict) -> None:
+    """g = ∂loss/∂ℓ far smaller than its terms: one active token whose policy-gradient term −A·ρ·r and KL term
+    β·(1 − exp(ℓ_ref − ℓ)) cancel to 1/25 of their size, with |ℓ| ≈ 10 (an fp32 ℓ or log Σe there carries
+    5e-7, which g would carry at 25 times its relative weight). ∂logits at the fp32 tolerance of `TOLERANCES`:
+    reached only if ℓ is exact to a few 1e-8 (ops/rows.py, "ℓ in float64")."""
+    gen = torch.Generator().manual_seed(11)
+    tau = options.get("temperature", 1.0)
+    adv, rho, beta = -0.26, 0.93, 0.5
+    for trial in range(4):
+        logits = (torch.randn(1, 1, 151, generator=gen, dtype=torch.float64) * 3).float()
+        z = logits.double() / tau
+        lsm = z.log_softmax(-1)[0, 0]
+        ids = (lsm - (-10.3)).abs().argmin().view(1, 1)  # the token with ℓ nearest −10.3
+        true = lsm[ids[0, 0]].item()
+        old = torch.tensor([[true - 0.03 * (trial + 1)]]).float()
+        r = math.exp(true - old.item())
+        pg = adv * rho * r  # −g's policy-gradient term is −pg (cispo below the cap, and the clipped form inside)
+        ref = torch.tensor([[true + math.log(1.0 - (pg - 0.04 * pg) / beta)]]).float()
+        case = Case(
+            logits, ids, torch.tensor([adv]), None, old, ref, {"importance_sampling_ratio": torch.tensor([rho])},
+            {"beta": beta, "epsilon_high": 5.0, "loss_type": "cispo", "temperature": 1.0, **options}, upstream=2.5,
+        )
+        case.view = lambda full: full  # the logits are the view
+        check_case(case, backend)

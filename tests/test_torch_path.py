@@ -12,7 +12,8 @@ from grpo_kernels.ops import cpu_rows, torch_rows
 from reference import reference_selective_log_softmax
 
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
-from .oracle_check import check_large_log_ratios, check_masked_inputs_are_absent, masked_sentinel_cases
+from .oracle_check import check_cancelling_coefficient, check_large_log_ratios, check_masked_inputs_are_absent
+from .oracle_check import masked_sentinel_cases
 
 pytestmark = pytest.mark.usefixtures("nan_empty", "cpu_path")
 
@@ -62,6 +63,13 @@ def test_masked_inputs_are_absent(pair):
 )
 def test_log_ratios_are_exact_for_large_logp(options):
     check_large_log_ratios("torch", options)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 0.7}, {"importance_sampling_level": "sequence"}, {"loss_type": "grpo"}]
+)
+def test_cancelling_coefficient_is_exact(options):
+    check_cancelling_coefficient("torch", options)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

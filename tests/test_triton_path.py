@@ -51,6 +51,7 @@ def test_log_ratios_are_exact_for_large_logp():
         check_large_log_ratios("triton", options)
 
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selective_log_softmax(dtype):
     gen = torch.Generator().manual_seed(3)

@@ -246,9 +246,9 @@ typedef struct {
     int64_t T, V, sxb, sxt, sob, sot, offset;
     const int64_t *ids; /* [B·T] */
     float k;            /* 1/τ */
-    double k64;         /* 1/τ in float64, for the fused pass's exact ℓ */
-    float *logp, *ent;  /* [B·T] */
-    double *logp64;     /* [B·T]: the fused pass's ℓ, in float64 */
+    double k64;         /* 1/τ in float64, for the float64 ℓ */
+    double *logp;       /* [B·T]: ℓ, in float64 */
+    float *ent;         /* [B·T] */
     float *state;       /* [B·T, 3] (shift, log Σe, 1 − p_y), or [B·T, 5] partials */
     const float *g, *h; /* [B·T]; h may be NULL */
     const Coef *coef;
@@ -424,17 +424,18 @@ static PyObject *dispatch(int dtype, RowFn fn, const void *args, int64_t n, int 
 
 #define PTR(v) ((void *)(uintptr_t)(v))
 
-/* stats(x, dtype, B·T, T, V, sxb, sxt, ids, k, logp, ent, state, threads) */
+/* stats(x, dtype, B·T, T, V, sxb, sxt, ids, k, k64, logp (float64), ent, state, threads) */
 static PyObject *py_stats(PyObject *self, PyObject *args) {
     unsigned long long x, ids, logp, ent, state;
     long long n, T, V, sxb, sxt;
     int dtype, threads;
     float k;
-    if (!PyArg_ParseTuple(args, "KiLLLLLKfKKKi", &x, &dtype, &n, &T, &V, &sxb, &sxt, &ids, &k, &logp, &ent, &state,
-                          &threads))
+    double k64;
+    if (!PyArg_ParseTuple(args, "KiLLLLLKfdKKKi", &x, &dtype, &n, &T, &V, &sxb, &sxt, &ids, &k, &k64, &logp, &ent,
+                          &state, &threads))
         return NULL;
-    Rows a = {.x = PTR(x), .T = T, .V = V, .sxb = sxb, .sxt = sxt, .ids = PTR(ids), .k = k, .logp = PTR(logp),
-              .ent = PTR(ent), .state = PTR(state)};
+    Rows a = {.x = PTR(x), .T = T, .V = V, .sxb = sxb, .sxt = sxt, .ids = PTR(ids), .k = k, .k64 = k64,
+              .logp = PTR(logp), .ent = PTR(ent), .state = PTR(state)};
     return dispatch(dtype, BY_DTYPE(dtype, stats_rows), &a, n, threads);
 }
 
@@ -469,7 +470,7 @@ static PyObject *py_fused(PyObject *self, PyObject *args) {
         return NULL;
     c.adv = PTR(adv), c.old = PTR(old), c.ref = PTR(ref), c.rho = PTR(rho), c.w = PTR(w), c.hw = PTR(hw);
     Rows a = {.x = PTR(x), .out = PTR(out), .T = T, .V = V, .sxb = sxb, .sxt = sxt, .sob = sob, .sot = sot,
-              .ids = PTR(ids), .k = k, .k64 = k64, .logp64 = PTR(logp), .ent = PTR(ent), .coef = &c};
+              .ids = PTR(ids), .k = k, .k64 = k64, .logp = PTR(logp), .ent = PTR(ent), .coef = &c};
     return dispatch(dtype, BY_DTYPE(dtype, fused_rows), &a, n, threads);
 }
 

@@ -106,20 +106,24 @@ static ALWAYS_INLINE void CAT(row_zero_store_, SFX)(ELEM *orow, int64_t V) {
     for (int64_t i = 0; i < V; i++) STORE(orow, i, 0.0f);
 }
 
-/* (logp, entropy, state = (shift, log Σe, 1 − p_y)) of one row; returns log Σe and sets *q, *c = Σ p·z. */
-static ALWAYS_INLINE void CAT(row_stats_one_, SFX)(const ELEM *row, int64_t V, int64_t y, float k, float *shift_out,
-                                                   float *logp, float *ent, float *log_sum_out, float *q_out,
-                                                   float *c_out) {
+/* (logp, entropy, state = (shift, log Σe, 1 − p_y)) of one row; sets *log_sum_out, *q, *c = Σ p·z. ℓ is formed in
+ * float64 from the target's own z_y and e_y in float64 and the double sum of the other tokens' fp32 exponentials:
+ * exact to that sum's rounding (a few 1e-8 absolute) for any |ℓ|, where an fp32 ℓ or log Σe of size 10 carries
+ * 5e-7 (ops/rows.py, "ℓ in float64"). */
+static ALWAYS_INLINE void CAT(row_stats_one_, SFX)(const ELEM *row, int64_t V, int64_t y, float k, double k64,
+                                                   float *shift_out, double *logp, float *ent, float *log_sum_out,
+                                                   float *q_out, float *c_out) {
     float m = CAT(row_max_, SFX)(row, V);
     float shift = m == -INFINITY ? 0.0f : m; /* an all −inf row: Σe = 0 and NaN/−inf results, no −inf − −inf */
     double others, weighted;
-    float z_y, e_y;
-    CAT(row_scan_, SFX)(row, V, y, shift, k, &others, &weighted, &z_y, &e_y);
-    double total = others + (double)e_y;
+    float z_y32, e_y32;
+    CAT(row_scan_, SFX)(row, V, y, shift, k, &others, &weighted, &z_y32, &e_y32);
+    double z_y = ((double)LOAD(row, y) - (double)shift) * k64, e_y = exp(z_y);
+    double total = others + e_y;
     double log_sum = log(total);
-    weighted += e_y > 0.0f ? (double)e_y * (double)z_y : 0.0;
+    weighted += e_y > 0.0 ? e_y * z_y : 0.0;
     /* ℓ = −log(1 + Σ_{v≠y} e / e_y): exact near 0 through log1p; plain z_y − log Σe where p_y is tiny. */
-    *logp = (float)(z_y > -20.0f ? -log1p(others / (double)e_y) : (double)z_y - log_sum);
+    *logp = z_y > -20.0 ? -log1p(others / e_y) : z_y - log_sum;
     *ent = (float)(log_sum - weighted / total);
     *shift_out = shift;
     *log_sum_out = (float)log_sum;
@@ -132,7 +136,8 @@ static NOINLINE CLONES void CAT(stats_rows_, SFX)(const Rows *a, int64_t r0, int
     for (int64_t r = r0; r < r1; r++) {
         const ELEM *row = x + (r / a->T) * a->sxb + (r % a->T) * a->sxt;
         float shift, log_sum, q, c;
-        CAT(row_stats_one_, SFX)(row, a->V, a->ids[r], a->k, &shift, &a->logp[r], &a->ent[r], &log_sum, &q, &c);
+        CAT(row_stats_one_, SFX)(row, a->V, a->ids[r], a->k, a->k64, &shift, &a->logp[r], &a->ent[r], &log_sum, &q,
+                                 &c);
         a->state[3 * r] = shift;
         a->state[3 * r + 1] = log_sum;
         a->state[3 * r + 2] = q;
@@ -163,13 +168,10 @@ static NOINLINE CLONES void CAT(fused_rows_, SFX)(const Rows *a, int64_t r0, int
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / a->T, t = r % a->T;
         const ELEM *row = x + b * a->sxb + t * a->sxt;
-        float shift, log_sum, q, c, lp32;
+        float shift, log_sum, q, c;
         int64_t y = a->ids[r];
-        CAT(row_stats_one_, SFX)(row, a->V, y, a->k, &shift, &lp32, &a->ent[r], &log_sum, &q, &c);
-        /* ℓ in float64 as ops/rows.py `exact_logp`: (x_y − m)/τ − log Σe, the fp32 form where z_y > −20 */
-        double z_y = ((double)LOAD(row, y) - (double)shift) * a->k64;
-        double lp = z_y > -20.0 ? (double)lp32 : z_y - (double)log_sum;
-        a->logp64[r] = lp;
+        CAT(row_stats_one_, SFX)(row, a->V, y, a->k, a->k64, &shift, &a->logp[r], &a->ent[r], &log_sum, &q, &c);
+        double lp = a->logp[r]; /* float64: g below is formed from it */
         float g = token_coef(a->coef, lp, r);
         float h = a->coef->hw ? a->coef->hw[r] : 0.0f;
         if (g == 0.0f && h == 0.0f) {

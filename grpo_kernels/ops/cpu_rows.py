@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import LossConfig
 from . import torch_rows
-from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, empty_row_state, gather_target_logit
+from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, empty_row_state
 
 try:
     from .. import _cpu_rows as _ext
@@ -146,22 +146,20 @@ def _head(logits: torch.Tensor, ids: torch.Tensor) -> tuple:
 # The row-backend interface (api.py, vocab_parallel.ShardBackend)
 
 
-target_logit = gather_target_logit  # the RowBackend's O(B·T) gather of x_y
-
-
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp, entropy [B, T] float32, row_state [B, T, 4] in the layout of ops/rows.py."""
+    """(logp, entropy, row_state): logp [B, T] float64 (ops/rows.py, "ℓ in float64"), entropy [B, T] float32,
+    row_state [B, T, 4] in the layout of ops/rows.py."""
     batch, length, vocab = _check_rows(logits, ids)
     if not _supported(logits):
         return torch_rows.row_stats(logits, ids, temperature)
-    logp = torch.empty(batch, length, dtype=torch.float32)
+    logp = torch.empty(batch, length, dtype=torch.float64)
     entropy = torch.empty(batch, length, dtype=torch.float32)
     head = torch.empty(batch, length, 3, dtype=torch.float32)  # (m, log Σe, 1 − p_y), as the kernel writes them
     flat = _flat_ids(ids)
     _ext.stats(
-        *_head(logits, flat), 1.0 / temperature, logp.data_ptr(), entropy.data_ptr(), head.data_ptr(),
+        *_head(logits, flat), 1.0 / temperature, 1.0 / temperature, logp.data_ptr(), entropy.data_ptr(), head.data_ptr(),
         _threads(logits.numel()),
     )  # fmt: skip
     state = empty_row_state(batch, length, logits.device)
@@ -230,7 +228,7 @@ def fused_token_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over each row for the token-level losses: ℓ, H, g = ∂loss/∂ℓ and ∂logits (the interface of
     triton_logits.fused_token_grad: loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H; `out` may be `logits`). logp is
-    float64 and g is formed from it (ops/rows.py `exact_logp`); a row with weight 0 and entropy weight 0 gets exact
+    float64 (as row_stats) and g is formed from it; a row with weight 0 and entropy weight 0 gets exact
     zeros, its logits unread."""
     batch, length, vocab = _check_rows(logits, ids)
     if cfg.is_sequence_level or cfg.loss_type not in FUSED_LOSS_CODES:
@@ -255,7 +253,7 @@ def fused_token_grad(
     }  # fmt: skip
     if not _supported(logits):
         raise RuntimeError("cpu_rows.fused_token_grad needs the _cpu_rows extension (see available())")
-    logp = torch.empty(batch, length, dtype=torch.float64)  # ℓ exact in float64 (ops/rows.py `exact_logp`)
+    logp = torch.empty(batch, length, dtype=torch.float64)  # ℓ in float64, as row_stats
     entropy = torch.empty(batch, length, dtype=torch.float32)
     flat = _flat_ids(ids)
     _ext.fused(

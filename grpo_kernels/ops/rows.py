@@ -14,6 +14,15 @@ e_v = exp(z'_v):
     [..., 3]  c          Σ_v p_v z'_v                     (so H = s − c)
 Natural-log units. A backend that computes in base 2 (the Triton kernels use exp2) converts at its launcher. The
 row state of a vocabulary shard's merged statistics (vocab_parallel) has the same layout, over the full vocabulary.
+
+ℓ in float64. Every backend returns ℓ as float64, formed in float64 from the target's own term, z'_y = (x_y − m)/τ
+and e_y = exp(z'_y) taken from the raw target logit, and the sum of the other tokens' fp32 exponentials,
+accumulated wider than fp32: ℓ = −log1p(Σ_{v≠y} e_v / e_y) where p_y is not tiny, z'_y − log Σe elsewhere. It is
+then exact to the rounding of that sum (a few 1e-8 absolute, about eps32 times Σ p·|z'|) for any |ℓ|, where an
+fp32 ℓ of size 10 carries 5e-7 and one of size 1e3 carries 6e-5. The O(B·T) math takes ℓ − ℓ_old and ℓ_ref − ℓ
+from it, so exp(ℓ − ℓ_old), the KL and the clip decisions match float64; where the terms of g = ∂loss/∂ℓ cancel
+(a policy-gradient term against the KL's, each 200 times g) g keeps that absolute precision. This costs a few
+scalars per row, never a V-wide pass; the fp32 row state above stays what the gradient pass reads.
 """
 
 from __future__ import annotations
@@ -44,27 +53,10 @@ def empty_row_state(
     return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=stats_dtype(dtype), device=device)
 
 
-def gather_target_logit(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """x_y of each row, [B, T] float64 (exact: every logits dtype is a subset of float64); an O(B·T) gather."""
-    return logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1).double()
-
-
-def exact_logp(
-    target_logit: torch.Tensor, row_state: torch.Tensor, temperature: float, logp: torch.Tensor
-) -> torch.Tensor:
-    """ℓ in float64 from the row state: (x_y − m)/τ − s, formed in float64 from the raw target logit x_y and the
-    state's raw max m and s = log Σe. Exact to the fp32 rounding of s (|s| <= log V, so about 1e-6 absolute) for
-    any |ℓ|, where the fp32 ℓ of size 1e3 carries 6e-5: exp(ℓ − ℓ_old) and the KL then match float64 to 1e-5.
-    Where z'_y > −20 (ℓ near 0, peaked rows) the backend's own fp32 ℓ, formed without cancellation, is kept."""
-    z_y = (target_logit - row_state[..., 0].double()) / temperature
-    return torch.where(z_y > -20.0, logp.double(), z_y - row_state[..., 1].double())
-
-
 class FusedTokenGrad(Protocol):
     """The one-read fused pass of the token-level losses (`LossConfig.is_fused`): ℓ, H, the token coefficient
-    g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy): logp [B, T] float64, formed as
-    (x_y − m)/τ − s in float64 (exact next to the fp32 row statistics, see `exact_logp`), entropy [B, T] float32;
-    writes `out`. g is formed from that float64 ℓ. A token with weight 0 and entropy weight 0 (masked) gets an
+    g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy): logp [B, T] float64 (the module
+    docstring's "ℓ in float64"), entropy [B, T] float32; writes `out`. g is formed from that float64 ℓ. A token with weight 0 and entropy weight 0 (masked) gets an
     exactly zero gradient row, whatever its logits and per-token inputs hold (the `row_grad` contract)."""
 
     def __call__(
@@ -96,7 +88,8 @@ class RowBackend(Protocol):
     def row_stats(
         self, logits: torch.Tensor, ids: torch.Tensor, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, row_state): logp, entropy [B, T] float32, row_state in this module's layout."""
+        """(logp, entropy, row_state): logp [B, T] float64 (the module docstring's "ℓ in float64"), entropy [B, T]
+        float32 (float64 for float64 logits), row_state in this module's layout."""
         ...
 
     def row_grad(
@@ -113,11 +106,6 @@ class RowBackend(Protocol):
         [0, V) (a target in another vocabulary shard) contributes no one-hot. A row with g = 0 and h = 0 (or None),
         a masked token, is written as exact zeros whatever its logits and row state hold (NaN, ±inf): masked means
         absent (docs/loss.md)."""
-        ...
-
-    def target_logit(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The raw logit of each row's target, [B, T] float64, exact (O(B·T); `gather_target_logit` for a backend
-        that holds the whole row). With the row state it gives ℓ in float64 (`exact_logp`)."""
         ...
 
     def shard_partials(self, logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, gather_target_logit, stats_dtype
+from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, stats_dtype
 
 # 4 Mi float32 elements = 16 MiB per temporary: big enough to amortize op overhead on a CPU, small next to the
 # logits (a 4096 x 32000 batch is 131 Mi elements).
@@ -25,7 +25,6 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 fused_token_grad: FusedTokenGrad | None = None  # no one-read pass here (the RowBackend capability)
-target_logit = gather_target_logit  # the RowBackend's O(B·T) gather of x_y
 
 
 def _row_chunks(batch: int, length: int, vocab: int) -> Iterator[tuple[int, slice]]:
@@ -45,12 +44,12 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torc
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp, entropy [B, T] float32 (float64 for float64 logits); row_state [B, T, 4] in
-    the layout of ops/rows.py."""
+    """(logp, entropy, row_state): logp [B, T] float64 (ops/rows.py, "ℓ in float64"), entropy [B, T] float32
+    (float64 for float64 logits); row_state [B, T, 4] in the layout of ops/rows.py."""
     batch, length, vocab = logits.shape
     dtype = stats_dtype(logits.dtype)
-    logp = torch.empty(batch, length, dtype=dtype, device=logits.device)
-    entropy = torch.empty_like(logp)
+    logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
+    entropy = torch.empty(batch, length, dtype=dtype, device=logits.device)
     state = empty_row_state(batch, length, logits.device, logits.dtype)
     lowest = torch.finfo(dtype).min
     for b, ts in _row_chunks(batch, length, vocab):
@@ -59,21 +58,22 @@ def row_stats(
         row_max = x.amax(-1).to(dtype)
         z = _shifted(x, row_max, temperature).clamp_(min=lowest)  # [rows, V] <= 0; −inf -> lowest keeps e·z at 0
         e = torch.exp(z)
-        e_y = e.gather(-1, y).squeeze(-1)
-        z_y = z.gather(-1, y).squeeze(-1)
         e.scatter_(-1, y, 0.0)  # the sums below run over v != y: 1 − p_y without cancellation
-        others = e.sum(-1)
+        # The target's own term in float64, from its raw logit; the others' fp32 exponentials summed in float64.
+        z_y = (x.gather(-1, y).squeeze(-1).double() - row_max.double()) / temperature
+        e_y = torch.exp(z_y)
+        others = e.sum(-1, dtype=torch.float64)
         total = others + e_y
         log_sum = torch.log(total)
-        weighted = torch.linalg.vecdot(e, z) + e_y * z_y  # Σ e·z' without a [rows, V] product
+        weighted = torch.linalg.vecdot(e, z).double() + torch.where(e_y > 0, e_y * z_y, 0.0)  # Σ e·z'
         # ℓ = −log(1 + Σ_{v≠y} e_v / e_y): exact near 0 through log1p; plain z'_y − log Σ where p_y is tiny.
         logp[b, ts] = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)
-        ent = log_sum - weighted / total
+        ent = (log_sum - weighted / total).to(dtype)
         entropy[b, ts] = ent
         state[b, ts, 0] = row_max
-        state[b, ts, 1] = log_sum
-        state[b, ts, 2] = others / total
-        state[b, ts, 3] = log_sum - ent  # Σ p·z', formed from the stored H so that s − c is H exactly
+        state[b, ts, 1] = log_sum.to(dtype)
+        state[b, ts, 2] = (others / total).to(dtype)
+        state[b, ts, 3] = state[b, ts, 1] - ent  # Σ p·z', formed from the stored H so that s − c is H exactly
     return logp, entropy, state
 
 

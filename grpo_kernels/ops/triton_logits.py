@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..config import LossConfig
-from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state, gather_target_logit
+from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
@@ -47,8 +47,8 @@ def _load_bt(p, i_b, i_t, stride_b, stride_t):
 
 @triton.jit
 def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
-    e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe and c2 = Σ p·z2 (= Σ p z' / ln 2)."""
+    """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
+    e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`)."""
     x_y = tl.load(p_x + y).to(tl.float32)
     # Start the running max at the target logit and mask the target lane out of the tiles: the sums below then
     # run over v != y only, and the target is added back once at the end.
@@ -80,7 +80,7 @@ def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
     b_t = b_to + b_ey * tl.where(b_ey > 0, b_zy, 0.0)
-    return b_mx, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s
+    return b_mx, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s, b_so
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED: tl.constexpr):
 def row_stats_fwd_kernel(
     x_ptr,  # [B, T, V] logits
     y_ptr,  # [B, T] ids
-    logp_ptr,  # [B, T] fp32, contiguous
+    logp_ptr,  # [B, T] fp64, contiguous
     ent_ptr,  # [B, T] fp32, contiguous
     state_ptr,  # [B, T, 4] fp32, contiguous
     N,  # B·T
@@ -161,6 +161,8 @@ def row_stats_fwd_kernel(
     stride_yb,
     stride_yt,
     k2,  # log2(e) / τ
+    inv_tau,  # fp32(1/τ)
+    inv_tau_lo,  # 1/τ − fp32(1/τ): with inv_tau, 1/τ to about 48 bits for the fp64 ℓ
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -168,8 +170,8 @@ def row_stats_fwd_kernel(
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
         i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
-        tl.store(logp_ptr + i_row, (b_zy - b_log2s) * LN2)
+        b_mx, b_log2s, b_zy, b_q, b_c2, b_so = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
+        tl.store(logp_ptr + i_row, _exact_logp(x_ptr + o_x, y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         p_s = state_ptr + i_row * 4
         tl.store(p_s, b_mx)
@@ -272,7 +274,7 @@ def shard_partials_fwd_kernel(
         # A target outside the shard: scan with column 0 as a stand-in target. The scan's max, Σe and Σp·z2 cover
         # every column either way; only its ℓ and 1 − p_y refer to the target, and those are not used then.
         y_in = tl.where(inside, y, 0).to(tl.int32)
-        b_mx, b_log2s, _, b_q, b_c2 = _row_scan(x_ptr + o_x, y_in, V, k2, BLOCK_V, NUM_STAGES)
+        b_mx, b_log2s, _, b_q, b_c2, _ = _row_scan(x_ptr + o_x, y_in, V, k2, BLOCK_V, NUM_STAGES)
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
         p_p = parts_ptr + i_row * 5
@@ -285,9 +287,22 @@ def shard_partials_fwd_kernel(
 
 
 @triton.jit
-def _exact_logp(p_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo):
-    """ℓ = (x_y − m)/τ − s in fp64 from the raw target logit (one scalar load, the row is in cache), the raw max m
-    and log2 Σe: exact to the fp32 rounding of s (|s| <= log V), whatever |ℓ|; 1/τ = inv_tau + inv_tau_lo."""
+def _exact_logp(p_x, y, b_mx, b_so, inv_tau, inv_tau_lo):
+    """ℓ in fp64 (ops/rows.py, "ℓ in float64"): z'_y = (x_y − m)/τ and e_y = exp(z'_y) from the raw target logit
+    (one scalar load, the row is in cache) and the raw max m, then ℓ = z'_y − log(Σ_{v≠y} e + e_y). Exact to the
+    rounding of the fp32 sum `b_so` of the other tokens (a few 1e-8 absolute) for any |ℓ|; near ℓ = 0 (a peaked row)
+    the fp64 log keeps 1e-16 absolute. 1/τ = inv_tau + inv_tau_lo."""
+    b_xy = tl.load(p_x + y).to(tl.float64)
+    b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
+    b_zy = (b_xy - tl.cast(b_mx, tl.float64)) * b_inv
+    return b_zy - tl.log(tl.cast(b_so, tl.float64) + tl.exp(b_zy))
+
+
+@triton.jit
+def _exact_logp_from_log2s(p_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo):
+    """The fused kernel's ℓ in fp64: (x_y − m)/τ − s with s = ln 2 · log2 Σe taken from its fp32 value, so exact to
+    s's fp32 rounding (about 5e-7 absolute at s ≈ 10) for any |ℓ|. `_exact_logp`'s fp64 exp and log would cost the
+    8-warp fused kernel (V <= 32768) 8 bytes of spills at its 80-register cap on sm_90a."""
     b_xy = tl.load(p_x + y).to(tl.float64)
     b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
     return (b_xy - tl.cast(b_mx, tl.float64)) * b_inv - tl.cast(b_log2s, tl.float64) * 0.6931471805599453
@@ -319,7 +334,7 @@ def _token_coef(
     """g = ∂loss/∂ℓ of w·(ρ·L + β·kl) for one token, with torch autograd's tie rules (clamp passes the gradient
     on the closed interval, minimum splits ties). Selects are written so that a NaN ratio stays NaN.
 
-    `b_lp` is the fp64 ℓ of `_exact_logp`: ℓ − ℓ_old and ℓ_ref − ℓ are formed in fp64 (exact for any |ℓ|, where
+    `b_lp` is the fp64 ℓ of `_exact_logp_from_log2s`: ℓ − ℓ_old and ℓ_ref − ℓ are formed in fp64 (exact for any |ℓ|, where
     an fp32 ℓ of size 1e3 would carry 6e-5 of rounding into exp), then rounded to fp32, whose relative rounding
     of a difference of size d costs exp only d·6e-8; the rest stays in fp32 registers."""
     b_r = tl.exp((b_lp - b_old).to(tl.float32))  # old = ℓ itself when not given: exactly 1 (NaN for a NaN ℓ)
@@ -447,8 +462,8 @@ def fused_token_grad_fwd_kernel(
         if HAS_ENT:
             b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
 
-        b_mx, b_log2s, b_zy, b_q, b_c2 = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
-        b_lp = _exact_logp(x_ptr + o_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
+        b_mx, b_log2s, b_zy, b_q, b_c2, _ = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
+        b_lp = _exact_logp_from_log2s(x_ptr + o_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         if not HAS_OLD:
@@ -597,9 +612,6 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
 # The launchers: the RowBackend interface (ops/rows.py)
 
 
-target_logit = gather_target_logit  # the RowBackend's O(B·T) gather of x_y (a torch gather)
-
-
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -610,24 +622,25 @@ def row_stats(
         ids: [B, T] int32/int64 in [0, V), any strides.
         temperature: τ > 0.
     Returns:
-        (logp, entropy, row_state): logp = z_y − logsumexp(z) and entropy = lse − Σ softmax(z)·z with z = logits/τ,
-        each [B, T] float32; row_state [B, T, 4] float32 in the shared layout of ops/rows.py (m, log Σe, 1 − p_y,
+        (logp, entropy, row_state): logp = z_y − logsumexp(z), [B, T] float64 (`_exact_logp`), and entropy =
+        lse − Σ softmax(z)·z, [B, T] float32, with z = logits/τ; row_state [B, T, 4] float32 in the shared layout of ops/rows.py (m, log Σe, 1 − p_y,
         Σ p·z'). An fp32 lse alone cannot give exact probabilities for large logits, hence the wider state.
 
     Example:
         >>> logp, entropy, state = row_stats(logits, ids, 1.0)
     """
     batch, length, vocab = _assert_rows(logits, ids)
-    logp = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+    logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     state = empty_row_state(batch, length, logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
     grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
+    inv_tau = float(np.float32(1.0 / temperature))
     row_stats_fwd_kernel[grid](
         logits, ids, logp, entropy, state, rows, length, vocab,
         logits.stride(0), logits.stride(1), ids.stride(0), ids.stride(1),
-        LOG2E / temperature,
+        LOG2E / temperature, inv_tau, 1.0 / temperature - inv_tau,
         BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     state[..., 1::2] *= LN2.value  # the kernel's log2 Σe and Σ p·z2 -> the shared layout's natural units
@@ -713,7 +726,7 @@ def fused_token_grad(
         is_ratio: [B, T] ρ or None. entropy_weight: [B, T] or None.
         out: [B, T, V] in the logits' dtype; may be `logits` itself.
     Returns:
-        (logp, entropy): logp [B, T] float64 (`_exact_logp`), entropy [B, T] float32.
+        (logp, entropy): logp [B, T] float64 (`_exact_logp_from_log2s`), entropy [B, T] float32.
     """
     batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight)
     assert cfg.is_fused and (ref_logp is not None) == (cfg.beta != 0.0), (cfg, ref_logp is None)

@@ -222,8 +222,8 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
             signature[name] = f"*{dtype}"
         elif name in ID_PTRS:
             signature[name] = "*i64"
-        elif name == "logp_ptr" and cfg["kernel"] == "fused_token_grad_fwd_kernel":
-            signature[name] = "*fp64"  # the fused pass stores ℓ in float64
+        elif name == "logp_ptr" and cfg["kernel"] in ("fused_token_grad_fwd_kernel", "row_stats_fwd_kernel"):
+            signature[name] = "*fp64"  # ℓ is stored in float64
         elif name in FP32_PTRS:
             signature[name] = "*fp32"
         elif name in FLOAT_ARGS:
