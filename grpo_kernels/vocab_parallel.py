@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .distributed import comm_device
 from .ops.linear_torch import RowStats
-from .ops.rows import FusedTokenGrad, LinearBackend, RowBackend
+from .ops.rows import FusedTokenGrad, LinearBackend, RowBackend, logp_from_sums
 
 
 def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
@@ -43,7 +43,7 @@ def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Te
     others = (scale * parts[..., 4]).sum(0)
     total = others + e_y
     log_sum = torch.log(total)
-    logp = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)  # as torch_rows
+    logp = logp_from_sums(z_y, e_y, others, log_sum)
     entropy = (log_sum - weighted / total).to(dtype)
     s = log_sum.to(dtype)
     return logp, entropy, torch.stack([m.to(dtype), s, (others / total).to(dtype), s - entropy], dim=-1)

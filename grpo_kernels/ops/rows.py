@@ -53,6 +53,12 @@ def empty_row_state(
     return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=stats_dtype(dtype), device=device)
 
 
+def logp_from_sums(z_y: torch.Tensor, e_y: torch.Tensor, others: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+    """ℓ in float64 (the module docstring) from the target's z'_y and e_y, Σ_{v≠y} e and log Σe, all float64:
+    −log1p(Σ_{v≠y} e / e_y), exact near 0, where p_y is not tiny; z'_y − log Σe elsewhere."""
+    return torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)
+
+
 class FusedTokenGrad(Protocol):
     """The one-read fused pass of the token-level losses (`LossConfig.is_fused`): ℓ, H, the token coefficient
     g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy): logp [B, T] float64 (the module

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, stats_dtype
+from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, logp_from_sums, stats_dtype
 
 # 4 Mi float32 elements = 16 MiB per temporary: big enough to amortize op overhead on a CPU, small next to the
 # logits (a 4096 x 32000 batch is 131 Mi elements).
@@ -66,8 +66,7 @@ def row_stats(
         total = others + e_y
         log_sum = torch.log(total)
         weighted = torch.linalg.vecdot(e, z).double() + torch.where(e_y > 0, e_y * z_y, 0.0)  # Σ e·z'
-        # ℓ = −log(1 + Σ_{v≠y} e_v / e_y): exact near 0 through log1p; plain z'_y − log Σ where p_y is tiny.
-        logp[b, ts] = torch.where(z_y > -20.0, -torch.log1p(others / e_y), z_y - log_sum)
+        logp[b, ts] = logp_from_sums(z_y, e_y, others, log_sum)
         ent = (log_sum - weighted / total).to(dtype)
         entropy[b, ts] = ent
         state[b, ts, 0] = row_max

@@ -287,14 +287,20 @@ def shard_partials_fwd_kernel(
 
 
 @triton.jit
+def _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo):
+    """z'_y = (x_y − m)/τ in fp64 from the raw target logit (one scalar load, the row is in cache)."""
+    b_xy = tl.load(p_x + y).to(tl.float64)
+    b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
+    return (b_xy - tl.cast(b_mx, tl.float64)) * b_inv
+
+
+@triton.jit
 def _exact_logp(p_x, y, b_mx, b_so, inv_tau, inv_tau_lo):
     """ℓ in fp64 (ops/rows.py, "ℓ in float64"): z'_y = (x_y − m)/τ and e_y = exp(z'_y) from the raw target logit
     (one scalar load, the row is in cache) and the raw max m, then ℓ = z'_y − log(Σ_{v≠y} e + e_y). Exact to the
     rounding of the fp32 sum `b_so` of the other tokens (a few 1e-8 absolute) for any |ℓ|; near ℓ = 0 (a peaked row)
     the fp64 log keeps 1e-16 absolute. 1/τ = inv_tau + inv_tau_lo."""
-    b_xy = tl.load(p_x + y).to(tl.float64)
-    b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
-    b_zy = (b_xy - tl.cast(b_mx, tl.float64)) * b_inv
+    b_zy = _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo)
     return b_zy - tl.log(tl.cast(b_so, tl.float64) + tl.exp(b_zy))
 
 
@@ -303,9 +309,8 @@ def _exact_logp_from_log2s(p_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo):
     """The fused kernel's ℓ in fp64: (x_y − m)/τ − s with s = ln 2 · log2 Σe taken from its fp32 value, so exact to
     s's fp32 rounding (about 5e-7 absolute at s ≈ 10) for any |ℓ|. `_exact_logp`'s fp64 exp and log would cost the
     8-warp fused kernel (V <= 32768) 8 bytes of spills at its 80-register cap on sm_90a."""
-    b_xy = tl.load(p_x + y).to(tl.float64)
-    b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
-    return (b_xy - tl.cast(b_mx, tl.float64)) * b_inv - tl.cast(b_log2s, tl.float64) * 0.6931471805599453
+    b_zy = _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo)
+    return b_zy - tl.cast(b_log2s, tl.float64) * 0.6931471805599453
 
 
 # The one justified copy of the per-token objective outside loss_math (see the module docstring): the token-level
