@@ -10,6 +10,7 @@ not (it is the device here). The CUDA graph test at the end captures the real th
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -204,10 +205,10 @@ CALLS = {
     "compile-sequence": lambda backend: _compiled(backend, SEQUENCE),
 }
 
-# backend="torch" on the CPU runs the C rows (what "auto" picks there) or, with GRPO_KERNELS_CPU_ROWS=0, the
-# chunked torch rows; backend="triton" runs the kernels under Triton's interpreter.
+# backend="auto" on the CPU runs the C rows ("torch" runs them too) or, with GRPO_KERNELS_CPU_ROWS=0, the chunked
+# torch rows; backend="triton" runs the kernels under Triton's interpreter.
 BACKENDS = [
-    pytest.param("torch", "1", id="c-rows", marks=pytest.mark.skipif(not cpu_rows.available(), reason="not built")),
+    pytest.param("auto", "1", id="c-rows", marks=pytest.mark.skipif(not cpu_rows.available(), reason="not built")),
     pytest.param("torch", "0", id="torch-rows"),
     pytest.param("triton", "1", id="triton", marks=pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="no Triton")),
 ]
@@ -277,7 +278,7 @@ def test_the_detector_sees_a_host_read(host_reads):
 # The backward's scaling on the device (ops/triton_scale.py): what `x.mul_(float(scale))` gives, read by the kernel
 
 
-def _scale_cases(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _scale_cases(device: str) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
     """(base tensor, the view that is scaled): a strided [B, T, V] view with two tiles per row (the gradient of
     sliced logits), and the contiguous ∂weight / ∂bias shapes of fused-linear."""
     gen = torch.Generator().manual_seed(3)
@@ -341,10 +342,11 @@ def test_grpo_loss_forward_and_backward_replay_in_a_cuda_graph(options):
     """A host read inside the capture raises (capture_error_mode "global"); a replay on new inputs equals eager."""
     static = _cuda_inputs(0)
     logits = static.pop("logits").requires_grad_(True)  # a leaf: its .grad is an output of the graph
+    upstream = torch.full((), 0.5, device="cuda")  # != 1: the backward's scaling runs, on the device
 
     def step():
         out = grpo_loss(logits, **static, **options)
-        out.loss.backward(torch.tensor(0.5, device="cuda"))  # the backward's scaling, on the device
+        out.loss.backward(upstream)
         return out
 
     # Warm up on a side stream (Triton compiles, autograd sets up), as torch's CUDA graph notes prescribe.
@@ -369,7 +371,7 @@ def test_grpo_loss_forward_and_backward_replay_in_a_cuda_graph(options):
     torch.cuda.synchronize()
     x = logits.detach().clone().requires_grad_(True)
     want = grpo_loss(x, **{name: t.clone() for name, t in static.items()}, **options)
-    want.loss.backward(torch.tensor(0.5, device="cuda"))
+    want.loss.backward(upstream)
     assert torch.equal(out.loss, want.loss) and torch.equal(out.logp, want.logp)
     assert all(torch.equal(out.metrics[k], want.metrics[k]) for k in want.metrics)
     assert torch.equal(logits.grad, x.grad) and bool(torch.isfinite(x.grad).all())
