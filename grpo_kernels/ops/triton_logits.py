@@ -51,6 +51,11 @@ _TILE_HEURISTICS = {
 }
 
 
+def _words(args: dict) -> bool:
+    """bf16 rows on 16-byte vectors: full tiles are read as 32-bit words (`_load_tile`)."""
+    return args["x_ptr"].dtype == torch.bfloat16 and bool(args["ALIGNED"] or args["HEAD"])
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Kernels
 
@@ -70,6 +75,32 @@ def _tile_offsets(SLOTS: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(p, o_b, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
+    """One full tile [SLOTS, VEC] in fp32, unmasked. WORDS (bf16 on 16-byte vectors): read as 32-bit words and
+    widened with one shift or mask per logit (bf16 is the top half of an fp32), which the plain conversion spends
+    more instructions on."""
+    if WORDS:
+        o_w = tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        b_w = tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + o_w, eviction_policy=EVICT)
+        b_lo = (b_w << 16).to(tl.float32, bitcast=True)  # the even logit of each pair
+        b_hi = (b_w & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(b_lo, b_hi), [SLOTS, VEC])
+    else:
+        return tl.load(p + o_b, eviction_policy=EVICT).to(tl.float32)
+
+
+@triton.jit
+def _tail_mask(o, r, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr):
+    """The positions of a tail tile (offsets `o`) before its end `r`: compared on the offsets where Triton can
+    prove the mask constant over each 16-byte vector (r a multiple of 16), in the separable form of `_is_before`
+    for a HEAD row (any r), which keeps the offsets out of registers."""
+    if HEAD:
+        return _is_before(r, SLOTS, VEC)
+    else:
+        return o < r
+
+
+@triton.jit
 def _is_offset(o, SLOTS: tl.constexpr, VEC: tl.constexpr):
     """[SLOTS, VEC] mask of the one tile position `o` (an int scalar), from its (slot, element) coordinates, so
     that no per-logit offset tensor stays live in registers across the tile loop."""
@@ -84,7 +115,10 @@ def _is_before(o, SLOTS: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _scan_tile(b_x, v0, y, shift, b_m, b_s, b_t, k2, BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+def _scan_tile(
+    b_x, v0, y, shift, b_m, b_s, b_t, k2,
+    BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr,
+):  # fmt: skip
     """Fold one tile of fp32 logits [SLOTS, VEC] into the per-slot online (max m, Σe, Σe·z2), z2 relative to
     the slot's own max. About 8 instructions per logit: no select outside the target's tile, no -inf guard per
     logit (a NaN-propagating clamp of z2 at -256 instead: 2^-256 is 0 in fp32, so e·z2 is 0 where z2 is -inf)."""
@@ -122,11 +156,12 @@ def _row_scan(
     NUM_STAGES: tl.constexpr,
     EVICT: tl.constexpr,
     HEAD: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
     e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`).
     The row is [shift, n) from the aligned base `p_a` (see `_row_index`), its target at y_a. Full tiles load
-    unmasked; the ragged tail goes in masked quarter tiles after the loop. `EVICT`: the L2 policy of the loads
+    unmasked; the ragged tail goes in masked quarter tiles after the loop. `EVICT`: the L2 policy
     ("evict_last" when pass 2 re-reads the row right away)."""
     x_y = tl.load(p_a + y_a).to(tl.float32)
     o_b = _tile_offsets(SLOTS, VEC)
@@ -138,16 +173,17 @@ def _row_scan(
     # first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >= its start) and
     # drops them in `_scan_tile`.
     for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
-        b_x = tl.load(p_a + v0 + o_b, eviction_policy=EVICT).to(tl.float32)
+        b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
         b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
-    # The ragged tail in quarter tiles (masked), into accumulators of their own shape.
+    # The ragged tail in masked quarter tiles, into accumulators of their own shape (at most a quarter tile of
+    # work is spent on padding).
     CHUNK: tl.constexpr = TAIL_SLOTS * VEC
     o_c = _tile_offsets(TAIL_SLOTS, VEC)
     b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
     b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
     b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
     for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-        m_c = _is_before(n - c0, TAIL_SLOTS, VEC)
+        m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
         b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy=EVICT)
         b_mc, b_sc, b_tc = _scan_tile(
             b_xc.to(tl.float32), c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD
@@ -208,10 +244,11 @@ def _row_grad_store(
     TAIL_SLOTS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     HEAD: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile, over [shift, n) from the aligned
-    bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is read before it is written, so the out
-    may be the logits themselves. A row with g = h = 0 (a masked token) takes one uniform branch that stores zeros
+    bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is
+    read before it is written, so the out may be the logits themselves. A row with g = h = 0 (a masked token) takes one uniform branch that stores zeros
     without reading its logits, so a NaN row stays out of the gradient (the RowBackend contract). Loads and stores
     stream past L2 (evict_first): nothing reads them again soon."""
     o_b = _tile_offsets(SLOTS, VEC)
@@ -231,11 +268,11 @@ def _row_grad_store(
             b_zyc = tl.maximum(b_zy, -256.0, propagate_nan=tl.PropagateNan.ALL)
             b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
         for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
-            b_x = tl.load(p_a + v0 + o_b, eviction_policy="evict_first").to(tl.float32)
+            b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
             b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
             _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
         for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-            m_c = _is_before(n - c0, TAIL_SLOTS, VEC)
+            m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
             b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy="evict_first")
             b_d = _grad_tile(
                 b_xc.to(tl.float32), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, CHUNK, TAIL_SLOTS, VEC
@@ -248,14 +285,14 @@ def _row_grad_store(
             _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
         b_zc = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
         for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-            m_s = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+            m_s = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
             tl.store(p_oa + c0 + o_c, b_zc, mask=m_s, eviction_policy="evict_first")
 
 
 @triton.jit
 def _store_tile(p, b, v0, shift, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr):
     """One full tile's streaming store; a HEAD row's first tile leaves the `shift` positions before the row alone."""
-    if HEAD:  # noqa: SIM102 (as in _scan_tile)
+    if HEAD:
         if v0 < shift:
             tl.store(p, b, mask=~_is_before(shift - v0, SLOTS, VEC), eviction_policy="evict_first")
         else:
@@ -282,6 +319,7 @@ def _row_index(i_r, T):
     {
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"]),
         "HEAD": lambda a: _realigns(a, "x_ptr"),
+        "WORDS": _words,
         **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
@@ -307,6 +345,7 @@ def row_stats_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
     HEAD: tl.constexpr,
+    WORDS: tl.constexpr,
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
@@ -324,7 +363,19 @@ def row_stats_fwd_kernel(
             o_a = tl.multiple_of(o_x - shift, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
         b_mx, b_log2s, _, b_q, b_c2, b_so = _row_scan(
-            x_ptr + o_a, y + shift, V + shift, shift, k2, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, "evict_first", HEAD
+            x_ptr + o_a,
+            y + shift,
+            V + shift,
+            shift,
+            k2,
+            BLOCK_V,
+            SLOTS,
+            VEC,
+            TAIL_SLOTS,
+            NUM_STAGES,
+            "evict_first",
+            HEAD,
+            WORDS,
         )  # read once
         tl.store(logp_ptr + i_row, _exact_logp(x_ptr + o_x, y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
@@ -340,6 +391,7 @@ def row_stats_fwd_kernel(
         "HAS_ENT": lambda a: a["h_ptr"] is not None,
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
         "HEAD": lambda a: _realigns(a, "x_ptr", "out_ptr"),
+        "WORDS": _words,
         **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
@@ -377,6 +429,7 @@ def row_stats_bwd_kernel(
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
     HEAD: tl.constexpr,
+    WORDS: tl.constexpr,
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
@@ -413,7 +466,7 @@ def row_stats_bwd_kernel(
             b_zy = (b_xy - b_mx) * k2
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
-            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD,
+            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD, WORDS,
         )  # fmt: skip
 
 
@@ -421,6 +474,7 @@ def row_stats_bwd_kernel(
     {
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"]),
         "HEAD": lambda a: _realigns(a, "x_ptr"),
+        "WORDS": _words,
         **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
@@ -443,6 +497,7 @@ def shard_partials_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
     HEAD: tl.constexpr,
+    WORDS: tl.constexpr,
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
@@ -464,7 +519,19 @@ def shard_partials_fwd_kernel(
         # every column either way; only its ℓ and 1 − p_y refer to the target, and those are not used then.
         y_in = tl.where(inside, y, 0).to(tl.int32)
         b_mx, b_log2s, _, b_q, b_c2, _ = _row_scan(
-            x_ptr + o_a, y_in + shift, V + shift, shift, k2, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, "evict_first", HEAD
+            x_ptr + o_a,
+            y_in + shift,
+            V + shift,
+            shift,
+            k2,
+            BLOCK_V,
+            SLOTS,
+            VEC,
+            TAIL_SLOTS,
+            NUM_STAGES,
+            "evict_first",
+            HEAD,
+            WORDS,
         )  # read once
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
@@ -572,6 +639,7 @@ def _token_coef(
         "HAS_ENT": lambda a: a["hw_ptr"] is not None,
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
         "HEAD": lambda a: _realigns(a, "x_ptr", "out_ptr"),
+        "WORDS": _words,
         **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
@@ -637,6 +705,7 @@ def fused_token_grad_fwd_kernel(
     HAS_ENT: tl.constexpr,
     ALIGNED: tl.constexpr,
     HEAD: tl.constexpr,
+    WORDS: tl.constexpr,
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
@@ -675,7 +744,19 @@ def fused_token_grad_fwd_kernel(
             b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
 
         b_mx, b_log2s, b_zy, b_q, b_c2, _ = _row_scan(
-            x_ptr + o_a, y + shift, V + shift, shift, k2, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, "evict_last", HEAD
+            x_ptr + o_a,
+            y + shift,
+            V + shift,
+            shift,
+            k2,
+            BLOCK_V,
+            SLOTS,
+            VEC,
+            TAIL_SLOTS,
+            NUM_STAGES,
+            "evict_last",
+            HEAD,
+            WORDS,
         )  # pass 2 re-reads the row from L2
         b_lp = _exact_logp_from_log2s(x_ptr + o_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
@@ -688,7 +769,7 @@ def fused_token_grad_fwd_kernel(
         )  # fmt: skip
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
-            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD,
+            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD, WORDS,
         )  # fmt: skip
 
 
@@ -754,7 +835,7 @@ ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
 # Floor bytes per second (logits read + gradient written) that one busy SM's instruction issue allows the fused
 # kernel, by element size: 4 warp instructions per cycle at 1.98 GHz over the SASS instructions per row of the
 # sm_90a compile (tests/ops/test_performance_model.py holds these to every compiled plan within 20 %).
-FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 96e9}
+FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 85e9}
 FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"
 
@@ -779,14 +860,19 @@ def _fused_grid(
     rows: int, row_bytes: int, elem_bytes: int, per_sm: int, sms: int, l2_bytes: int, mode: str | None = None
 ) -> int:
     """The fused kernel's persistent grid (each program loops over rows i, i + grid, ...): `mode` "sms" (every
-    SM's resident programs), "l2" (no more rows in flight than fit L2_FRACTION of L2), None the faster of the two
-    by the launcher's model (`_fused_time`). A bf16 row of 151936 logits is 297 KiB: 86 rows fill 24.9 MiB of a
+    SM's resident programs), "l2" (no more rows in flight than fit L2_FRACTION of L2), None the launcher's model's
+    choice (`_fused_time`). A bf16 row of 151936 logits is 297 KiB: 86 rows fill 24.9 MiB of a
     50 MiB L2, 132 (one per SM) fill 38.3 MiB."""
     full = max(1, min(rows, sms * per_sm))
     fit = max(1, min(full, int(l2_bytes * L2_FRACTION) // max(1, row_bytes)))
     if mode is None:
-        timed = {grid: _fused_time(grid, row_bytes, elem_bytes, sms, l2_bytes) for grid in (fit, full)}
-        return min(timed, key=lambda grid: (timed[grid], grid))  # a tie: the smaller grid, no misses
+        # The L2-sized grid only where its issue still clears the copy rate by ISSUE_MARGIN (else it would be
+        # issue-bound by construction) and it is predicted no slower than the full grid with its misses.
+        issue_ok = min(fit, sms) * FUSED_ISSUE_BYTES_PER_SM[elem_bytes] >= ISSUE_MARGIN * COPY_BANDWIDTH
+        faster = _fused_time(fit, row_bytes, elem_bytes, sms, l2_bytes) <= _fused_time(
+            full, row_bytes, elem_bytes, sms, l2_bytes
+        )
+        mode = "l2" if issue_ok and faster else "sms"
     return fit if mode == "l2" else full
 
 
@@ -894,8 +980,6 @@ def _assert_out(out: torch.Tensor, logits: torch.Tensor) -> None:
 
 def _strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
-
-
 
 
 # ------------------------------------------------------------------------------------------------------------------

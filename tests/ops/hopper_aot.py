@@ -155,7 +155,11 @@ def sass_tile_loops(sass: str) -> list[dict]:
         common = [text for addr, text in body if addr not in skipped]
         if any("MUFU.EX2" in t for t in common):
             out.append(
-                {"instructions": len(common), "once": len(body) - len(common), "ex2": sum("MUFU.EX2" in t for t in common)}
+                {
+                    "instructions": len(common),
+                    "once": len(body) - len(common),
+                    "ex2": sum("MUFU.EX2" in t for t in common),
+                }
             )
     return out
 
@@ -163,6 +167,7 @@ def sass_tile_loops(sass: str) -> list[dict]:
 def cache_hints(ptx: str) -> dict:
     """The L2 and L1 cache behaviour the PTX asks for: the `createpolicy` L2 policies it makes, and the distinct
     qualifier sets of its global loads, pipelined copies and stores (e.g. `st.global.L1::evict_first`)."""
+
     def forms(pattern: str) -> list[str]:
         return sorted({re.sub(r"\.(v\d|b\d+|[suf]\d+)", "", m) for m in re.findall(pattern, ptx)})
 
