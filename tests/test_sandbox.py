@@ -580,6 +580,34 @@ def test_without_a_pid_namespace_the_uid_sweep_kills_everything(kind):
             os.kill(pid, signal.SIGKILL)
 
 
+MESSAGES = [{"a": [1, -2.5, None, True, "é\n\x00"], "b": {"c": []}}, [], "x", 10**30, {"": [[["deep"]]]}]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=range(len(MESSAGES)))
+def test_wire_json_is_the_json_modules(message):
+    # the launcher and the judge code JSON without importing json; the text is the same both ways
+    text = json.dumps(message, separators=(",", ":"))
+    assert sandbox.wire.dumps(message) == text and sandbox.wire.loads(text) == message
+    assert sandbox.wire.loads(f" {text}\n".encode()) == message
+
+
+def test_the_sandboxed_side_starts_without_json_or_re():
+    # each sample starts a launcher and a judge: json (with re and enum) was a third of their start
+    folder = str(Path(sandbox.__file__).parent)
+    imports = "import launcher, judge; print({'json', 're'} & set(sys.modules))"
+    probe = f"import sys; sys.path.insert(0, {folder!r}); {imports}"
+    out = subprocess.run([sys.executable, "-I", "-S", "-B", "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "set()"
+
+
+@pytest.mark.parametrize("text", ["", "NaN", "[1] 2", "[1,]", '{"a": 1', "\x00", "Infinity", '"\\ud800', "01"])
+def test_wire_json_refuses_what_json_refuses(text):
+    with pytest.raises(ValueError):
+        json.loads(text, parse_constant=sandbox.wire._Decoding.parse_constant)
+    with pytest.raises(ValueError):
+        sandbox.wire.loads(text)
+
+
 def test_wire_reader_frames_and_refuses():
     r, w = os.pipe()
     try:

@@ -279,6 +279,7 @@ def fresh_folder(job: dict, *, first: bool) -> None:
 
 def empty_folder(path: str) -> None:
     """Remove everything inside `path`, whatever modes the sample left on it (we own it, or are root)."""
+    os.chmod(path, 0o700)
     for entry in os.scandir(path):
         if entry.is_dir(follow_symlinks=False):
             os.chmod(entry.path, 0o700)

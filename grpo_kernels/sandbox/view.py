@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 SYSTEM = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc")
-_PACKAGE_FOLDERS = ("lib*/python3*/site-packages", "lib*/python3*/dist-packages")
+_PACKAGE_FOLDERS = ("site-packages", "dist-packages", "lib*/python3*/site-packages", "lib*/python3*/dist-packages")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class View:
 
 
 def interpreter(python: str) -> dict:
-    """The folders `python -I -S` runs from: its sys.path and prefixes (asked of it: it may not be ours)."""
+    """The folders `python -I -S` imports from (its standard library) and its prefixes, where its own package
+    folders are (asked of it: it may not be ours)."""
     probe = "import sys, json; print(json.dumps([sys.path, sys.base_prefix, sys.base_exec_prefix, sys.version]))"
     out = subprocess.run(
         [python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60, check=True, env={}
@@ -45,23 +46,30 @@ def view_of(python: dict, packages: dict[str, list[str]], private_home: bool, al
     `private_home`: the sample runs under another uid, so a folder others may not traverse (/root, a home) on the
     way to the interpreter is covered as well, and the interpreter bound back inside it. `also_hide`: the caller's
     own package folders, covered even where no root holds them (for a machine without Landlock)."""
-    stdlib = [p for p in python["path"] if os.path.exists(p)]
-    roots = _unique([os.path.realpath(p) for p in (*SYSTEM, *python["prefixes"], *stdlib) if os.path.exists(p)])
+    stdlib = [os.path.realpath(p) for p in python["path"] if os.path.exists(p)]
+    # the interpreter's standard library, not its prefix: that may be /usr/local itself (the python images)
+    roots = _unique([*(os.path.realpath(p) for p in SYSTEM if os.path.exists(p)), *stdlib])
     hidden = {"/usr/local"}
-    for root in roots:
+    for folder in (*roots, *python["prefixes"]):
         for pattern in _PACKAGE_FOLDERS:
-            hidden.update(os.path.realpath(p) for p in glob.glob(os.path.join(root, pattern)))
+            hidden.update(os.path.realpath(p) for p in glob.glob(os.path.join(folder, pattern)))
     hidden.update(os.path.realpath(site) for site in [*packages, *also_hide] if os.path.isdir(site))
     if private_home:
         hidden.update(p for p in map(_closed_ancestor, roots) if p)
     entries = [os.path.realpath(os.path.join(site, e)) for site, names in packages.items() for e in names]
     # a hidden folder around a root (a private home) is the mount namespace's business, not Landlock's
     read = [p for r in roots for p in _readable(r, {h for h in hidden if not _inside(r, h)})] + entries
-    # an interpreter under /usr/local or a private home is bound back, with its own package folders hidden again
-    show = _unique(p for p in [*roots, *entries] if any(_inside(p, h) for h in hidden))
+    # a standard library under /usr/local or a private home is bound back, its own package folders hidden again
+    shown = [p for p in _unique([*roots, *entries]) if any(_inside(p, h) for h in hidden)]
+    show = [p for p in shown if not any(p != s and _inside(p, s) and _covers(s, p, hidden) for s in shown)]
     # a hidden folder inside another needs its own tmpfs only where something shown lies between them
     hide = sorted(h for h in hidden if os.path.isdir(h) and not _covered(h, hidden - {h}, show))
     return View(_unique(read), _unique([*roots, *entries]), hide, show, _unique(packages))
+
+
+def _covers(outer: str, inner: str, hidden: set[str]) -> bool:
+    """Binding `outer` back already shows `inner`: no hidden folder lies between them."""
+    return not any(_inside(h, outer) and h != outer and _inside(inner, h) for h in hidden)
 
 
 def _readable(root: str, hidden: set[str], seen: set[str] | None = None) -> list[str]:
@@ -113,7 +121,8 @@ def _unique(paths) -> list[str]:
 def installed(names: tuple[str, ...], stdlib: list[str]) -> dict[str, list[str]]:
     """{sys.path folder: [entries]} of what `names` (top-level modules) need from their installed distributions:
     the package itself and what its wheel put beside it (numpy.libs, the .dist-info). A module of the standard
-    library (found in a folder of `stdlib`, the interpreter's own sys.path) needs nothing. `ValueError` naming `packages` for one that is not installed."""
+    library (found in a folder of `stdlib`, the interpreter's own sys.path) needs nothing. `ValueError` naming
+    `packages` for one that is not installed."""
     import importlib.metadata
     import importlib.util
 

@@ -11,14 +11,6 @@ from __future__ import annotations
 
 import os
 
-try:  # CPython's JSON accelerator, without the `json` package: that imports `re` and `enum`, a third of the
-    import _json  # launcher's and the judge's start (each sample starts both)
-
-    _scanner = _json.make_scanner
-    _make_encoder = _json.make_encoder
-except (ImportError, AttributeError):
-    _json = None
-
 TYPE_CHECKING = False  # `typing` costs the launcher and the judge milliseconds at each start: annotations only
 if TYPE_CHECKING:
     from typing import Any
@@ -144,32 +136,37 @@ def _refuse(value: object) -> None:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-if _json is not None:
-    _scan = _scanner(_Decoding())
-    _encode = _make_encoder({}, _refuse, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
+try:  # CPython's JSON accelerator, without the `json` package: that imports `re` and `enum`, a third of the start
+    import _json  # of the launcher and of the judge (each sample starts both)
 
-    def dumps(value: object) -> str:
-        return "".join(_encode(value, 0))
+    _scan = _json.make_scanner(_Decoding())
+    _encode = _json.make_encoder({}, _refuse, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
+except (ImportError, AttributeError, TypeError):  # another interpreter, or another signature: the json package
+    _scan = _encode = None
 
-    def loads(text: str | bytes) -> Any:
-        """The value of JSON `text`; ValueError if it is not exactly one JSON value (RecursionError if too deep)."""
-        text = (text.decode() if isinstance(text, bytes) else text).strip(" \t\n\r")
-        try:
-            value, end = _scan(text, 0)
-        except StopIteration:
-            raise ValueError("not JSON") from None
-        if end != len(text):
-            raise ValueError("extra data after a JSON value")
-        return value
 
-else:  # another interpreter: the json package
-    import json
+def dumps(value: object) -> str:
+    if _encode is None:
+        import json
 
-    def dumps(value: object) -> str:
         return json.dumps(value, separators=(",", ":"))
+    return "".join(_encode(value, 0))
 
-    def loads(text: str | bytes) -> Any:
+
+def loads(text: str | bytes) -> Any:
+    """The value of JSON `text`; ValueError if it is not exactly one JSON value (RecursionError if too deep)."""
+    if _scan is None:
+        import json
+
         return json.loads(text)
+    text = (text.decode() if isinstance(text, bytes) else text).strip(" \t\n\r")
+    try:
+        value, end = _scan(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("extra data after a JSON value")
+    return value
 
 
 def send(fd: int, message: dict) -> None:
