@@ -676,7 +676,9 @@ def test_cgroup_kill_leaves_nothing():
         Path(folder, "cgroup.procs").write_text(str(proc.pid))
         proc.stdin.write(b"x")
         proc.stdin.close()  # now it forks, inside the cgroup
-        time.sleep(0.3)
+        started = time.monotonic()
+        while not sandbox_attacks.marked_processes(marker) and time.monotonic() - started < 60:
+            time.sleep(0.05)  # a loaded machine may take a while to start it
         assert sandbox_attacks.marked_processes(marker)
         cleanup.kill_cgroup(folder)
         proc.wait()

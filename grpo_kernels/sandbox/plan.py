@@ -83,6 +83,21 @@ def landlock_abi_of_kernel() -> int:
         return 0
 
 
+def nproc_per_user_namespace() -> bool:
+    """Whether RLIMIT_NPROC counts the processes of a user namespace alone (Linux >= 5.14, ucounts); before, a
+    namespace's processes counted with all of the user's."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def counts_its_own(p: Plan) -> bool:
+    """The kernel counts the sample's processes apart from everyone else's: a fresh uid, or a user namespace."""
+    return p.drop_uid or (p.user_ns and nproc_per_user_namespace())
+
+
 def own_cgroup2() -> str | None:
     """The folder of this process's cgroup in the cgroup v2 hierarchy, or None where there is none."""
     try:
@@ -137,7 +152,7 @@ def describe(p: Plan, view: object) -> dict[str, object]:
         processes = "cgroup v2 pids.max on the whole sample"
     elif p.drop_uid:
         processes = "RLIMIT_NPROC of the sample's own uid: the whole sample, no one else's processes count"
-    elif p.user_ns:
+    elif p.user_ns and nproc_per_user_namespace():
         processes = "RLIMIT_NPROC in the sample's own user namespace: the whole sample, no one else's processes count"
     else:
         processes = (

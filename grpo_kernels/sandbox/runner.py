@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 from . import view, wire
 from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
-from .plan import Plan, cgroup_parent, describe, landlock_abi_of_kernel, remove_cgroup, weaker, write
+from .plan import Plan, cgroup_parent, counts_its_own, describe, landlock_abi_of_kernel, remove_cgroup, weaker, write
 from .restrict import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -199,7 +199,7 @@ _SHARED_ROOM = 64
 def _process_limit(plan: Plan, uid: int | None, max_processes: int) -> int:
     if uid is not None:  # a fresh uid: its count is the sample's own program and descendants
         return max_processes
-    if plan.user_ns:  # counted in the sample's user namespace, where the launcher and the init are too
+    if counts_its_own(plan):  # counted in the sample's user namespace, where the launcher and the init are too
         return max_processes + 2
     return count_tasks(os.getuid()) + (max_processes + 2) * _SHARED_ROOM
 
@@ -281,7 +281,7 @@ def _run(
                 "readable": seen.roots if plan.mount_ns else seen.read,
                 "path": seen.path,
                 "max_processes": limits.max_processes,
-                "count_processes": uid is None and not plan.user_ns,
+                "count_processes": not counts_its_own(plan),  # else the init counts them
                 "fds": fds,
                 "status_fd": status_w,
             }
