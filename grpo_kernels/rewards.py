@@ -203,6 +203,8 @@ def code_reward(
     tests: Sequence[str | TestCases | None] | None = None,
     *,
     test_cases: Sequence[TestCases | None] | None = None,
+    test_setup: str | Sequence[str | None] | None = None,
+    packages: Sequence[str] = (),
     timeout: float = 5.0,
     time_limit: float | None = None,
     memory_mb: int = 512,
@@ -216,9 +218,15 @@ def code_reward(
     judge process that calls the solution's top-level names through proxies, plain data each way; 1.0 when they run
     to their end, else 0.0. Or it is a list of stdin/stdout cases `[{"input": ..., "output": ...}]` (the form of
     APPS, CodeContests and open-r1's verifiable-coding-problems; also accepted as `test_cases`, or inside an open-r1
-    `verification_info` column): the program runs once per case with `time_limit` seconds (else `timeout`) and its
-    output is compared here, whitespace-normalized; the reward is the fraction of cases passed, or 1.0/0.0 with
-    `all_or_nothing`. None where a sample has no tests. Nothing the code prints, exits with or patches decides.
+    `verification_info` column): the program runs once per case with `time_limit` seconds (else `timeout`), each
+    from a fresh folder, and its output is compared here, whitespace-normalized; the reward is the fraction of cases
+    passed, or 1.0/0.0 with `all_or_nothing`. None where a sample has no tests. Nothing the code prints, exits with or
+    patches decides.
+
+    `test_setup`: trusted source run in the judge before assert-style tests, one for all or one per completion: the
+    names it defines shadow the solution's for the tests, except functions it only declares. HumanEval: the prompt
+    as `test_setup`, `test + f"check({entry_point})"` as `tests`. `packages`: installed packages the code may
+    import (`["numpy"]`), read only; none is visible otherwise.
     """
     from .sandbox import SandboxLimits, run_stdio, run_tests
 
@@ -227,26 +235,49 @@ def code_reward(
         return [None] * len(completions)
     if timeout <= 0 or (time_limit is not None and time_limit <= 0):
         raise ValueError(f"timeout and time_limit must be positive, got {timeout} and {time_limit}")
+    if isinstance(packages, str) or not all(isinstance(p, str) for p in packages):
+        raise TypeError(f"packages must be a list of package names, got {packages!r:.80}")
+    setups = _setup_rows(len(completions), test_setup, rows)
     limits = SandboxLimits(timeout=timeout, cpu_seconds=max(1, math.ceil(timeout)), memory_mb=memory_mb)
 
-    def score(item: tuple[Any, str | list[tuple[str, str]] | None]) -> float | None:
-        completion, row = item
+    def score(item: tuple[Any, str | list[tuple[str, str]] | None, str | None]) -> float | None:
+        completion, row, setup = item
         if not row:
             return None
         code = extract_code(completion_text(completion))
         if code is None:
             return 0.0
         if isinstance(row, str):
-            return 1.0 if run_tests(code, row, limits=limits).passed else 0.0
-        verdicts = run_stdio(code, row, limits=limits, time_limit=time_limit, stop_at_first_failure=all_or_nothing)
+            return 1.0 if run_tests(code, row, limits=limits, setup=setup, packages=packages).passed else 0.0
+        verdicts = run_stdio(
+            code, row, limits=limits, time_limit=time_limit, stop_at_first_failure=all_or_nothing, packages=packages
+        )
         return float(all(verdicts)) if all_or_nothing else sum(verdicts) / len(verdicts)
 
-    items = list(zip(completions, rows))
+    items = list(zip(completions, rows, setups))
     workers = max_workers or min(8, len(items), (os.cpu_count() or 1) * 2)
     if workers <= 1:
         return [score(it) for it in items]
     with ThreadPoolExecutor(max_workers=workers) as pool:  # each worker mostly waits on its subprocesses
         return list(pool.map(score, items))
+
+
+def _setup_rows(n: int, test_setup: Any, rows: list[Any]) -> list[str | None]:
+    """One trusted setup (or None) per completion, from one for all or one per completion."""
+    if test_setup is None or isinstance(test_setup, str):
+        setups = [test_setup or None] * n
+    elif isinstance(test_setup, Sequence) and len(test_setup) == n:
+        setups = list(test_setup)
+    else:
+        raise ValueError(
+            f"test_setup must be source text or have one entry per completion ({n}), got {test_setup!r:.80}"
+        )
+    for i, (setup, row) in enumerate(zip(setups, rows)):
+        if setup is not None and not isinstance(setup, str):
+            raise TypeError(f"test_setup entries must be source text or None, got {type(setup).__name__} at {i}")
+        if setup and row is not None and not isinstance(row, str):
+            raise ValueError(f"test_setup is for assert-style tests, but row {i} has stdin/stdout cases")
+    return setups
 
 
 def _test_rows(

@@ -8,10 +8,16 @@ anyone can read, from a script as an unprivileged user.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15\n"
@@ -196,3 +202,133 @@ def run_attacks(sandbox: Any, token: str, workers: int = 4, survivors: bool = Tr
         except OSError:
             pass
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Honest code the sandbox must not fail, beside code that uses what a sample may
+
+
+def holder_program(children: int = 15, seconds: float = 2.0) -> str:
+    """A correct solution that keeps `children` processes alive (its own plus those: max_processes) for `seconds`."""
+    return (
+        "import os, time\n"
+        f"for _ in range({children}):\n"
+        "    if os.fork() == 0:\n"
+        f"        time.sleep({seconds})\n"
+        "        os._exit(0)\n" + HONEST
+    )
+
+
+def run_beside_holders(sandbox: Any, honest: int = 64, holders: int = 8, workers: int = 8) -> dict[str, Any]:
+    """`honest` honest samples at `workers` at a time (as `code_reward(..., max_workers=8)` runs them) while, in a pool
+    of their own, rounds of `holders` correct samples each keep 15 processes alive, until the honest ones are done."""
+    limits = sandbox.SandboxLimits(timeout=60, cpu_seconds=30, memory_mb=256)
+    done = threading.Event()
+    held: list[bool] = []
+
+    def hold() -> None:
+        with ThreadPoolExecutor(holders) as pool:
+            while not done.is_set():
+                held.extend(pool.map(lambda _: sandbox.run_tests(holder_program(), TESTS, limits=limits).passed,
+                                     range(holders)))  # fmt: skip
+
+    holding = threading.Thread(target=hold)
+    holding.start()
+    try:
+        time.sleep(0.5)  # the first round is forking by now
+        with ThreadPoolExecutor(workers) as pool:
+            passed = list(pool.map(lambda _: sandbox.run_tests(HONEST, TESTS, limits=limits).passed, range(honest)))
+    finally:
+        done.set()
+        holding.join()
+    return {"honest": passed, "holders": held}
+
+
+def forks(count: int) -> str:
+    """A correct solution with `count` live processes (itself included) for a second before it is judged (a watch
+    that polls sees them)."""
+    return (
+        f"import os, time\nfor _ in range({count - 1}):\n    if os.fork() == 0:\n        time.sleep(30)\n"
+        "time.sleep(1)\n" + HONEST
+    )
+
+
+def leftovers(marker: str) -> str:
+    """One program per stdin/stdout case, reporting what an earlier case left: the files in its folder, and whether
+    any other process is alive (kill(-1, 0): in a PID namespace of the sample's own, only its own count). Case 0
+    leaves a file and a daemon named `marker` in a session of its own."""
+    return (
+        "import os, time, ctypes\n"
+        "n = int(input())\n"
+        "try:\n    os.kill(-1, 0)\n    others = True\nexcept ProcessLookupError:\n    others = False\n"
+        "print(n, sorted(os.listdir('.')), others)\n"
+        "if n == 0:\n"
+        "    open('left', 'w').write('x')\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        f"        ctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "    time.sleep(0.2)\n"
+    )
+
+
+def leftover_cases(pid_namespace: bool) -> list[tuple[str, str]]:
+    """What each case sees when it starts afresh (without a PID namespace, other processes are the machine's)."""
+    return [("0", f"0 [] {not pid_namespace}"), ("1", f"1 [] {not pid_namespace}")]
+
+
+def read_keys(paths: list[str]) -> str:
+    """A program that prints, as JSON, which of `paths` it could read (after reading the standard library)."""
+    return (
+        "import fractions, json\nseen = []\n"
+        f"for path in {paths!r}:\n"
+        "    try:\n        open(path, 'rb').read(1)\n        seen.append(path)\n    except OSError:\n        pass\n"
+        "print(json.dumps(seen))\n"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# As an unprivileged user
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+SETPRIV = shutil.which("setpriv")
+
+
+def can_become_nobody() -> bool:
+    return os.geteuid() == 0 and SYSTEM_PYTHON is not None and SETPRIV is not None
+
+
+def as_nobody(script: str, data: Any = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` with the system interpreter as `nobody`, this package's sandbox and the attacks importable from
+    a copy anyone can read (`nobody` may not read the checkout, nor pytest's temporary folders); `data` is JSON in
+    the script's `DATA`."""
+    import grpo_kernels.sandbox
+
+    folder = Path(tempfile.mkdtemp(prefix="grpo-sandbox-copy-"))
+    try:
+        source = Path(grpo_kernels.sandbox.__file__).parent
+        shutil.copytree(source, folder / "sandbox", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(__file__, folder)
+        (folder / "data.json").write_text(json.dumps(data))
+        for p in (folder, *folder.rglob("*")):
+            p.chmod(0o755)
+        prelude = (
+            f"import sys, json\nsys.path.insert(0, {str(folder)!r})\nimport sandbox, sandbox_attacks\n"
+            f"DATA = json.load(open({str(folder / 'data.json')!r}))\n"
+        )
+        nobody = ["--reuid=65534", "--regid=65534", "--clear-groups"]
+        return subprocess.run(
+            [SETPRIV, *nobody, SYSTEM_PYTHON, "-I", "-c", prelude + script],
+            cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(folder)
+
+
+# As `nobody` on a machine that would not let users make namespaces (the plan made to lack them): the weakest
+# sandbox, where a test holds it to the guarantees `isolation()` then states.
+WITHOUT_NAMESPACES = (
+    "weak = sandbox.plan.weaker(sandbox.runner._plan(), user_ns=False, pid_ns=False, mount_ns=False, net_ns=False)\n"
+    "sandbox.runner._probe_plan = lambda: weak\n"
+)

@@ -184,10 +184,58 @@ def test_code_reward_time_limit_per_case():
     assert code_reward([slow], tests=[cases], time_limit=2.0) == [0.5]
 
 
+# Each case needs 0.6 s of work under a 0.3 s limit. Case 0 starts a daemon that works out every case's answer at
+# once, into the folder: where it outlived its case and the folder was shared, the later cases only read them.
+POOLED = (
+    "import os, time\nn = int(input())\n"
+    "if not os.path.exists('started'):\n"
+    "    open('started', 'w').close()\n"
+    "    if os.fork() == 0:\n"
+    "        os.setsid()\n"
+    "        for k in range(3):\n"
+    "            if os.fork() == 0:\n"
+    "                time.sleep(0.6)\n"
+    "                open(f'tmp{k}', 'w').write(str(k * k))\n"
+    "                os.rename(f'tmp{k}', f'ans{k}')\n"
+    "                os._exit(0)\n"
+    "        os._exit(0)\n"
+    "while not os.path.exists(f'ans{n}'):\n"
+    "    time.sleep(0.01)\n"
+    "print(open(f'ans{n}').read())\n"
+)
+
+
+def test_code_reward_cases_do_not_pool_their_time():
+    cases = [{"input": str(k), "output": str(k * k)} for k in range(3)]
+    assert code_reward([fenced(POOLED)], tests=[cases], time_limit=0.3) == [0.0]
+
+
+SETUP = 'def double(x):\n    return 2 * x\n\ndef f(x):\n    """f(x) = double(x) + 1"""\n'
+
+
+def test_code_reward_test_setup():
+    right = fenced("def double(x):\n    return 2 * x\ndef f(x):\n    return double(x) + 1\n")
+    rigged = fenced("def double(x):\n    return x\ndef f(x):\n    return x + 1\n")  # wrong, with the helper to match
+    tests = ["assert f(3) == double(3) + 1"] * 2
+    assert code_reward([right, rigged], tests=tests) == [1.0, 1.0]  # judged by the solution's own helper
+    assert code_reward([right, rigged], tests=tests, test_setup=SETUP) == [1.0, 0.0]  # one setup for all
+    assert code_reward([right, rigged], tests=tests, test_setup=[SETUP, None]) == [1.0, 1.0]  # one per completion
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
         ({"tests": ["assert True"] * 2}, ValueError, "tests must have one entry per completion"),
+        ({"tests": ["assert True"], "test_setup": ["x"] * 2}, ValueError, "test_setup must be source text or have"),
+        ({"tests": [[{"input": "", "output": ""}]], "test_setup": "x = 1"}, ValueError, "test_setup is for assert"),
+        ({"tests": ["assert True"], "test_setup": [3]}, TypeError, "test_setup entries must be source text"),
+        ({"tests": ["assert True"], "packages": "numpy"}, TypeError, "packages must be a list"),
+        ({"tests": ["assert True"], "packages": ["numpy.linalg"]}, ValueError, "packages must be top-level"),
+        (
+            {"tests": ["assert True"], "packages": ["no_such_package_xyz"]},
+            ValueError,
+            "packages: 'no_such_package_xyz'",
+        ),
         ({"tests": [[{"input": "1"}]]}, TypeError, "needs str 'input' and 'output'"),
         ({"tests": [42]}, TypeError, "tests rows must be source text or a list"),
         ({"tests": ["x"], "test_cases": [None]}, ValueError, "not both"),

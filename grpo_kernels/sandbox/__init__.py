@@ -2,8 +2,9 @@
 
 - `runner`: the caller's side: the public entry points, a run and its watch.
 - `plan`: the layers this machine allows and what they guarantee (`isolation()`); `cleanup`: killing all of a run.
-- `launcher`: the sandboxed side: namespaces, a private tmpfs, a fresh uid, then the code; `restrict`: the
-  restrictions it applies to itself (seccomp, Landlock, capabilities).
+- `view`: what the sample may read: the system, its interpreter's standard library, the packages named.
+- `launcher`: the sandboxed side: namespaces, its view, a private tmpfs, a fresh uid, then the code (per stdin/stdout
+  case, afresh); `restrict`: the restrictions it applies to itself (seccomp, Landlock, capabilities).
 - `judge`: the trusted process that holds the tests and calls the solution through plain-data proxies.
 - `wire`: the plain data that crosses between them.
 """

@@ -1,14 +1,16 @@
 """The sandboxed side of a run: apply the isolation layers a job asks for, then run the untrusted program.
 
-Started by `runner` as `python -I -S -B -c <stub> <this folder> <job fd>`; stdlib only. Three processes:
-- the launcher sets the rlimits, unshares the namespaces and forks
-- an init (pid 1 of the new PID namespace) that mounts the sample's private tmpfs and a /proc of its own, watches
-  the sample's total memory and reaps; when the program's process ends, the init exits, and with it the kernel
-  kills every process left in the namespace;
+Started by `runner` as `python -I -S -B -c <stub> <this folder> <job fd>`; stdlib only. Three kinds of process:
+- the launcher unshares the namespaces, sets the rlimits (after a new user namespace, so that its process count is
+  the sample's alone) and forks
+- an init (pid 1 of the new PID namespace) that mounts the sample's view of the filesystem (`view`), its private
+  tmpfs and a /proc of its own, sets its IPC namespace's limits, watches the sample's total memory and reaps; when
+  the program's process ends, the init exits, and with it the kernel kills every process left in the namespace;
 - the program's process, which drops its privileges (a fresh uid, or no capabilities in a user namespace), restricts
-  itself (no new privileges, Landlock, seccomp) and then runs the code: as `__main__` ("program" mode), by serving
-  calls from the judge, one plain-data message each way ("functions" mode), or once per stdin input, each in a
-  process forked for it, reporting each output to the caller ("cases" mode).
+  itself (no new privileges, Landlock, seccomp) and then runs the code: as `__main__` ("program" mode), or by
+  serving calls from the judge, one plain-data message each way ("functions" mode). In "cases" mode the init forks
+  one such process per stdin input, each from a fresh folder, kills every process of the case when it ends and
+  reports its output to the caller.
 Nothing is exec'd once the privileges are gone, so a setuid binary or a new interpreter grants nothing back.
 """
 
@@ -16,13 +18,13 @@ from __future__ import annotations
 
 import builtins
 import ctypes
-import json
 import os
 import resource
 import signal
 import sys
 import time
 import types
+from collections.abc import Callable
 
 try:
     from . import restrict, wire
@@ -31,23 +33,21 @@ except ImportError:  # run as a script from its folder (see the module docstring
     import wire
 
 OVER_MEMORY = 96  # the exit status when the init killed the sample for its total memory
+OVER_PROCESSES = 95  # ... for its number of processes (counted by the init only where no namespace counts them)
+PR_SET_CHILD_SUBREAPER = 36
+MNT_DETACH = 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The three processes
+# The launcher and the init
 
 
 def main() -> None:
     sys.path.pop(0)  # the folder the stub put first: the code under test gets the plain standard library path
     fd = int(sys.argv[2])
     with os.fdopen(fd, "rb") as f:
-        job = json.loads(f.read())
+        job = wire.loads(f.read())
     restrict.prctl(restrict.PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")  # die with the trainer
-    for name, value in job["rlimits"].items():
-        try:
-            resource.setrlimit(getattr(resource, name), (value, value))
-        except (ValueError, OSError) as err:
-            restrict.fail(name, err)
     ns = job["namespaces"]
     flags = (restrict.CLONE_NEWUSER if ns["user"] else 0) | (restrict.CLONE_NEWPID if ns["pid"] else 0)
     flags |= (restrict.CLONE_NEWNS if ns["mount"] else 0) | (
@@ -56,10 +56,17 @@ def main() -> None:
     if flags:
         uid, gid = os.getuid(), os.getgid()
         restrict.check(restrict.libc.unshare(ctypes.c_int(flags)), "unshare")
-        if flags & restrict.CLONE_NEWUSER:  # the caller's own ids, mapped to themselves
-            for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        if flags & restrict.CLONE_NEWUSER:  # the caller as the namespace's root: it owns the IPC limits' files
+            for path, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
                 with open(f"/proc/self/{path}", "w") as f:
                     f.write(text)
+    # After the unshare: in a user namespace of its own, RLIMIT_NPROC counts the processes of that namespace
+    # (Linux >= 5.14), so other samples and other processes of the same user no longer use up this one's.
+    for name, value in job["rlimits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError) as err:
+            restrict.fail(name, err)
     pid = os.fork()
     if pid == 0:
         init(job)
@@ -76,35 +83,66 @@ def main() -> None:
 
 
 def init(job: dict) -> None:
-    """pid 1 of the sample's namespace: the mounts, the memory watch, reaping; exits when the program's process does."""
+    """pid 1 of the sample's namespace: the mounts, the watch, reaping; exits when the program's process does
+    (in "cases" mode, when the last case has been reported)."""
     restrict.prctl(restrict.PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")
     ns, workdir, uid = job["namespaces"], job["workdir"], job["uid"]
-    owner = uid if uid is not None else os.getuid()
-    nosuid = restrict.MS_NOSUID | restrict.MS_NODEV
     try:
         if ns["mount"]:
             restrict.mount(None, "/", None, restrict.MS_REC | restrict.MS_PRIVATE)  # nothing propagates out
-            opts = f"size={job['disk_bytes']},nr_inodes=4096,mode=0700,uid={owner},gid={owner}"
-            restrict.mount("tmpfs", workdir, "tmpfs", nosuid, opts)
-            hide_shared_folders(workdir, owner)
+            apply_view(job["view"])
+            fresh_folder(job, first=True)
+            hide_shared_folders()
             if ns["pid"]:  # a /proc that shows only the sample's own processes
-                restrict.mount("proc", "/proc", "proc", nosuid | restrict.MS_NOEXEC)
+                restrict.mount("proc", "/proc", "proc", restrict.MS_NOSUID | restrict.MS_NODEV | restrict.MS_NOEXEC)
         elif uid is not None:
             os.chown(workdir, uid, uid)
     except OSError as err:
         restrict.fail("mount", err)
+    if ns["net"]:  # the IPC namespace came with the network one
+        limit_ipc()
     restrict.prctl(restrict.PR_SET_DUMPABLE, 0, "PR_SET_DUMPABLE")  # the program may not trace us or open our /proc
+    if not ns["pid"]:  # orphans stay our descendants: countable, and killable at the end of a case
+        restrict.prctl(PR_SET_CHILD_SUBREAPER, 1, "PR_SET_CHILD_SUBREAPER")
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: as pid 1, the sample cannot signal us at all
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    if job["mode"] == "cases":
+        run_cases(job)
+    child = start_program(job, job["fds"])
+    for fd in job["fds"]:
+        os.close(fd)
+    code, _ = supervise(job, child, None)
+    os._exit(128 - code if code < 0 else code)  # the kernel now kills the rest of the namespace
+
+
+def start_program(job: dict, keep: list[int], stdin: int | None = None, stdout: int | None = None) -> int:
+    """Fork the program's process, with the init's descriptors in `keep` (functions mode: the judge's pipes) and,
+    for a case, `stdin` and `stdout` as its own; it closes every other one the init holds."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     child = os.fork()
     if child == 0:
         os.close(job["status_fd"])  # the init's alone: what it reports, the program cannot forge
+        for fd in job["fds"]:
+            if fd not in keep:
+                os.close(fd)
+        if stdin is not None and stdout is not None:
+            os.dup2(stdin, 0)
+            os.dup2(stdout, 1)
+            os.close(stdin)
+            os.close(stdout)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
         restrict_and_run(job)
-    for fd in job["fds"]:
-        os.close(fd)
-    watch = job["memory_bytes"] if ns["pid"] and ns["mount"] else None
-    page = os.sysconf("SC_PAGE_SIZE")
+    return child
+
+
+def supervise(job: dict, child: int, deadline: float | None) -> tuple[int, bool]:
+    """Reap until `child` ends or `deadline` passes (then kill it): (its exit status, timed out). Meanwhile watch the
+    sample's total memory (own namespaces) or its process count (without them); over either, report and exit."""
+    ns = job["namespaces"]
+    memory = job["memory_bytes"] if ns["pid"] and ns["mount"] else None
+    processes = job["max_processes"] if job["count_processes"] else None
+    timed_out = False
     while True:
         while True:
             try:
@@ -112,25 +150,126 @@ def init(job: dict) -> None:
             except ChildProcessError:
                 os._exit(1)
             if pid == child:
-                code = os.waitstatus_to_exitcode(status)
-                os._exit(128 - code if code < 0 else code)  # the kernel now kills the rest of the namespace
+                return os.waitstatus_to_exitcode(status), timed_out
             if pid == 0:
                 break
-        if watch is not None and resident_pages() * page > watch:
-            os.write(job["status_fd"], b"memory\n")  # before the exit, hence before the judge can see the end
-            os._exit(OVER_MEMORY)
-        signal.sigtimedwait([signal.SIGCHLD], 0.02)
+        if memory is not None and sample_memory() > memory:
+            over(job, b"memory\n", OVER_MEMORY)
+        if processes is not None and sum(descendants().values()) > processes:
+            over(job, b"processes\n", OVER_PROCESSES, kill_descendants)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0 and not timed_out:
+            os.kill(child, signal.SIGKILL)
+            timed_out = True
+        signal.sigtimedwait([signal.SIGCHLD], 0.02 if left is None or left <= 0 else min(left, 0.02))
 
 
-def hide_shared_folders(workdir: str, owner: int) -> None:
-    """Over the folders where local sockets and shared files live, an empty read-only tmpfs (/run, /dev/shm,
-    /var/tmp) or the sample's own tmpfs (/tmp, with the working folder inside): nothing there can be reached or
-    filled from the sample."""
-    for path in ("/run", "/dev/shm", "/var/tmp"):
-        if os.path.isdir(path) and not os.path.islink(path):
-            flags = restrict.MS_RDONLY | restrict.MS_NOSUID | restrict.MS_NODEV | restrict.MS_NOEXEC
-            restrict.mount("tmpfs", path, "tmpfs", flags, "size=4k,nr_inodes=1,mode=0555")
+def over(job: dict, what: bytes, code: int, then: Callable[[], None] | None = None) -> None:
+    """Report the limit the sample went over, then (after `then`) exit: the report comes first, before the end of
+    any process that the caller or the judge could see end."""
+    os.write(job["status_fd"], what)
+    if then is not None:
+        then()
+    os._exit(code)
+
+
+def run_cases(job: dict) -> None:
+    """Run the program once per input, each in a process of its own with that input on stdin and `case_seconds`
+    of wall clock, from a fresh folder; kill every process the case left; report its status and output."""
+    reports = job["fds"][0]
+    for i, given in enumerate(job["cases"]):
+        if i:
+            fresh_folder(job, first=False)
+        stdin, stdout = os.memfd_create("stdin", os.MFD_CLOEXEC), os.memfd_create("stdout", os.MFD_CLOEXEC)
+        os.write(stdin, given.encode())
+        os.lseek(stdin, 0, os.SEEK_SET)
+        child = start_program(job, [], stdin, stdout)
+        status, timed_out = supervise(job, child, time.monotonic() + job["case_seconds"])
+        end_case(job)
+        size = os.lseek(stdout, 0, os.SEEK_END)
+        os.lseek(stdout, 0, os.SEEK_SET)
+        out = os.read(stdout, job["output_bytes"] + 1) if size else b""
+        os.close(stdin)
+        os.close(stdout)
+        report = {"case": i, "status": status, "timed_out": timed_out, "stdout": out.decode("utf-8", "replace")}
+        wire.send(reports, report | {"cut": size > job["output_bytes"]})
+    os._exit(0)
+
+
+def end_case(job: dict) -> None:
+    """Kill every process the case left: in the PID namespace, everything but the init (kill(-1) from pid 1 reaches
+    exactly that, and a process it reaches can no longer fork); without one, every descendant (the init is their
+    subreaper, so a setsid daemon is one too)."""
+    if job["namespaces"]["pid"]:
+        for _ in range(10_000):
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            reap()
+            signal.sigtimedwait([signal.SIGCHLD], 0.005)
+    else:
+        kill_descendants()
+
+
+def reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The folders, the IPC limits, the watch
+
+
+def apply_view(view: dict) -> None:
+    """Cover each hidden folder with an empty tmpfs and bind each shown path back, read only, outermost first
+    (a shown interpreter may hold a hidden folder of its own). Every shown path is opened before the first mount,
+    and bound from that descriptor: once its folder is covered, its name no longer reaches it."""
+    sources = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in view["show"] if os.path.exists(p)}
+    try:
+        mount, nosuid = restrict.mount, restrict.MS_NOSUID | restrict.MS_NODEV
+        ro = restrict.MS_RDONLY | nosuid
+        steps = sorted([(p, "hide") for p in view["hide"]] + [(p, "show") for p in sources], key=lambda s: s[0])
+        for path, kind in steps:
+            if kind == "hide":
+                mount("tmpfs", path, "tmpfs", nosuid, "size=64k,nr_inodes=256,mode=0755")
+                continue
+            if os.path.isdir(f"/proc/self/fd/{sources[path]}"):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            elif not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            mount(f"/proc/self/fd/{sources[path]}", path, None, restrict.MS_BIND | restrict.MS_REC)
+            mount(None, path, None, restrict.MS_REMOUNT | restrict.MS_BIND | ro | _locked(path))
+        for path in view["hide"]:  # the skeletons made, nothing more may be written there
+            mount(None, path, None, restrict.MS_REMOUNT | ro)
+    finally:
+        for fd in sources.values():
+            os.close(fd)
+
+
+def _locked(path: str) -> int:
+    """The flags of the mount at `path` that a remount in a user namespace must keep (the kernel locks them)."""
+    f = os.statvfs(path).f_flag
+    return (f & (os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME)) | (0x200000 if f & os.ST_RELATIME else 0)
+
+
+def fresh_folder(job: dict, *, first: bool) -> None:
+    """The sample's working folder, empty: a tmpfs of `disk_bytes` (its /tmp too) in the mount namespace, made anew
+    for each case; without one, the same folder emptied."""
+    workdir, owner = job["workdir"], job["uid"] if job["uid"] is not None else os.getuid()
     parent, name = os.path.split(workdir)
+    if not job["namespaces"]["mount"]:
+        empty_folder(workdir)
+        return
+    if not first:
+        for path in ("/tmp", workdir) if parent == "/tmp" else (workdir,):
+            restrict.check(restrict.libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
+    opts = f"size={job['disk_bytes']},nr_inodes=4096,mode=0700,uid={owner},gid={owner}"
+    restrict.mount("tmpfs", workdir, "tmpfs", restrict.MS_NOSUID | restrict.MS_NODEV, opts)
     if parent == "/tmp":  # the working folder moves into its own tmpfs, which then covers /tmp
         inner = os.path.join(workdir, name)
         os.mkdir(inner, 0o700)
@@ -138,19 +277,117 @@ def hide_shared_folders(workdir: str, owner: int) -> None:
         restrict.mount(workdir, "/tmp", None, restrict.MS_BIND)
 
 
-def resident_pages() -> int:
-    """Resident pages not backed by a file, over every process this /proc shows (the sample's, in its own PID
-    namespace): what the sample's heaps and stacks hold; its files live in the tmpfs, bounded by the disk quota."""
-    total = 0
+def empty_folder(path: str) -> None:
+    """Remove everything inside `path`, whatever modes the sample left on it (we own it, or are root)."""
+    os.chmod(path, 0o700)
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            os.chmod(entry.path, 0o700)
+            empty_folder(entry.path)
+            os.rmdir(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def hide_shared_folders() -> None:
+    """Over the folders where local sockets and shared files live, an empty read-only tmpfs: nothing there can be
+    reached or filled from the sample (/tmp is its own tmpfs, see `fresh_folder`)."""
+    for path in ("/run", "/dev/shm", "/var/tmp"):
+        if os.path.isdir(path) and not os.path.islink(path):
+            flags = restrict.MS_RDONLY | restrict.MS_NOSUID | restrict.MS_NODEV | restrict.MS_NOEXEC
+            restrict.mount("tmpfs", path, "tmpfs", flags, "size=4k,nr_inodes=1,mode=0555")
+
+
+def limit_ipc() -> None:
+    """The sample's IPC namespace: SysV shared memory of at most `SHARED_MAP_BYTES` in all, no message queues, no
+    POSIX message queues (seccomp refuses these calls already; this holds where it cannot apply). Where the kernel
+    does not let the namespace's owner set them (before Linux 5.19 in a user namespace), they stay as they were."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    for name, value in (
+        ("kernel/shmmax", restrict.SHARED_MAP_BYTES),
+        ("kernel/shmall", restrict.SHARED_MAP_BYTES // page),
+        ("kernel/shmmni", 1),
+        ("kernel/msgmni", 0),
+        ("fs/mqueue/queues_max", 0),
+    ):
+        try:
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(str(value))
+        except OSError:
+            pass
+
+
+def sample_memory() -> int:
+    """Bytes the sample holds, over every process this /proc shows (the sample's, in its own PID namespace): its
+    resident pages not backed by a file (heaps, stacks) and, whole, every shared mapping, resident or not (a page of
+    shared memory is resident in one process at most, yet held by all that map it). Its files live in the tmpfs,
+    bounded by the disk quota."""
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/statm", "rb") as f:
                     fields = f.read().split()
-                total += int(fields[1]) - int(fields[2])  # resident - shared (file-backed)
+                total += (int(fields[1]) - int(fields[2])) * page  # resident - shared (file-backed and shmem)
+                with open(f"/proc/{name}/maps", "rb") as f:
+                    total += shared_bytes(f.read())
             except (OSError, IndexError, ValueError):
                 pass  # it ended meanwhile
     return total
+
+
+def shared_bytes(maps: bytes) -> int:
+    """The size of the shared mappings in a /proc/PID/maps ("start-end perms ...", perms ending in s)."""
+    total = 0
+    for line in maps.splitlines():
+        span, _, rest = line.partition(b" ")
+        if rest[3:4] == b"s":
+            start, _, end = span.partition(b"-")
+            total += int(end, 16) - int(start, 16)
+    return total
+
+
+def descendants() -> dict[str, int]:
+    """The init's descendants, as this /proc numbers them, each with its number of threads (RLIMIT_NPROC counts
+    threads)."""
+    own = os.readlink("/proc/self")
+    found: dict[str, int] = {}
+    todo = [own]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # it ended meanwhile
+        if pid != own:
+            found[pid] = len(tasks)
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += f.read().split()
+            except OSError:
+                pass
+    return found
+
+
+def kill_descendants() -> None:
+    """SIGKILL every descendant until none is left: a process with a kill pending can no longer fork, so each pass
+    leaves only what was forked since the last look, and the next one finds those."""
+    for _ in range(10_000):
+        found = descendants()
+        if not found:
+            return
+        for pid in found:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reap()
+        signal.sigtimedwait([signal.SIGCHLD], 0.005)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The program's process
 
 
 def restrict_and_run(job: dict) -> None:
@@ -167,18 +404,17 @@ def restrict_and_run(job: dict) -> None:
     restrict.prctl(restrict.PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")  # set after setuid, which clears it
     restrict.prctl(restrict.PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
     if job["landlock_abi"]:
-        restrict.apply_landlock(job["landlock_abi"], workdir)
+        restrict.apply_landlock(job["landlock_abi"], workdir, job["readable"], job["path"])
     if job["seccomp"]:
         if machine not in restrict.SYSCALLS:
             restrict.fail("seccomp", f"no syscall table for {machine}")
         restrict.apply_seccomp(machine)
     os.chdir(workdir)
+    sys.path += job["path"]  # the folders of the packages the caller named (only those are visible there)
     sys.argv[:] = ["solution.py"]
     sys.orig_argv[:] = [sys.executable, "solution.py"]
     if job["mode"] == "functions":
         serve(job["program"], *job["fds"])
-    if job["mode"] == "cases":
-        run_cases(job["program"], job["cases"], *job["fds"], job["case_seconds"], job["output_bytes"])
     run_program(job["program"])
 
 
@@ -196,63 +432,6 @@ def run_program(program: str | types.CodeType) -> None:
         traceback.print_exc()
         flush_and_exit(1)
     flush_and_exit(0)
-
-
-def run_cases(program: str, inputs: list[str], replies: int, seconds: float, output_bytes: int) -> None:
-    """Run `program` once per input, each in a process of its own forked from here with that input on stdin, and
-    report each exit status and output to the caller, which compares them (and times the reports itself)."""
-    try:
-        code = compile(program, "solution.py", "exec")
-    except (SyntaxError, ValueError) as err:
-        code = None
-        error = f"{type(err).__name__}: {err}"
-    for i, given in enumerate(inputs):
-        if code is None:
-            wire.send(replies, {"case": i, "status": 1, "stdout": "", "error": error})
-            continue
-        stdin, stdout = os.memfd_create("stdin"), os.memfd_create("stdout")
-        os.write(stdin, given.encode())
-        os.lseek(stdin, 0, os.SEEK_SET)
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.setpgid(0, 0)
-            os.dup2(stdin, 0)
-            os.dup2(stdout, 1)
-            for fd in (stdin, stdout, replies):
-                os.close(fd)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
-            run_program(code)
-        status, timed_out = wait_for(pid, seconds)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # what this case left running (a setsid one dies with the sample)
-        except OSError:
-            pass
-        size = os.lseek(stdout, 0, os.SEEK_END)
-        os.lseek(stdout, 0, os.SEEK_SET)
-        out = os.read(stdout, output_bytes + 1) if size else b""
-        os.close(stdin)
-        os.close(stdout)
-        report = {"case": i, "status": status, "timed_out": timed_out, "stdout": out.decode("utf-8", "replace")}
-        wire.send(replies, report | {"cut": size > output_bytes})
-    flush_and_exit(0)
-
-
-def wait_for(pid: int, seconds: float) -> tuple[int, bool]:
-    """(exit status, timed out) of child `pid`, killed after `seconds` of wall clock."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
-    deadline = time.monotonic() + seconds
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status), False
-        left = deadline - time.monotonic()
-        if left <= 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -signal.SIGKILL, True
-        signal.sigtimedwait([signal.SIGCHLD], min(left, 0.05))
 
 
 def flush_and_exit(code: int) -> None:

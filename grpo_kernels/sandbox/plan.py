@@ -1,6 +1,7 @@
 """What this machine allows the sandbox: the layers of a run (a `Plan`), how each is detected, and what they guarantee.
 
-`runner` confirms a plan by running a trivial program under it, and falls back layer by layer where one fails.
+`runner` confirms a plan by running a trivial program under it, and falls back layer by layer where one fails
+(`weaker`: the layers changed, and the interpreter the sample can then read).
 """
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ import atexit
 import ctypes
 import os
 import stat
-from dataclasses import dataclass
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+from . import view
 
 
 @dataclass(frozen=True)
@@ -25,14 +30,47 @@ class Plan:
     cgroup: str | None  # the parent cgroup (v2, memory and pids controllers) of every sample's own
 
 
-def world_reachable(path: str) -> bool:
-    """True when a user with no relation to the file's owner can traverse to `path` and execute it."""
+def weaker(plan: Plan, **changes: object) -> Plan | None:
+    """`plan` with `changes` to its layers, and the interpreter that the sample can then read (None: none can)."""
+    plan = replace(plan, **changes)
+    python = python_for(plan)
+    return None if python is None else replace(plan, python=python)
+
+
+def python_for(plan: Plan) -> str | None:
+    """The caller's interpreter, wherever the sample can read it: as the caller, or under a fresh uid through the
+    mount namespace, which binds it back in where a private folder (/root, a home) would hide it. Else (a fresh
+    uid with no mount namespace) the first interpreter anyone may run and read the standard library of."""
+    if not plan.drop_uid or plan.mount_ns:
+        return sys.executable
+    for candidate in (
+        sys.executable,
+        getattr(sys, "_base_executable", ""),
+        "/usr/bin/python3",
+        "/usr/local/bin/python3",
+    ):
+        if candidate and os.path.exists(candidate) and world_reachable(candidate):
+            try:
+                stdlib = [p for p in view.interpreter(candidate)["path"] if os.path.exists(p)]
+            except (OSError, subprocess.SubprocessError, ValueError):
+                continue
+            if all(world_reachable(p, read=True) for p in stdlib):
+                return candidate
+    return None
+
+
+def world_reachable(path: str, read: bool = False) -> bool:
+    """True when a user with no relation to the file's owner can traverse to `path` and execute it (`read`: read
+    it, and list it if it is a folder)."""
     path = os.path.realpath(path)
     parts = path.split(os.sep)
     for i in range(2, len(parts)):
         if not os.stat(os.sep.join(parts[:i]) or os.sep).st_mode & stat.S_IXOTH:
             return False
-    return bool(os.stat(path).st_mode & stat.S_IXOTH)
+    mode = os.stat(path).st_mode
+    if read:
+        return bool(mode & stat.S_IROTH) and (not stat.S_ISDIR(mode) or bool(mode & stat.S_IXOTH))
+    return bool(mode & stat.S_IXOTH)
 
 
 def landlock_abi_of_kernel() -> int:
@@ -43,6 +81,21 @@ def landlock_abi_of_kernel() -> int:
         return max(int(abi), 0)
     except (OSError, AttributeError):
         return 0
+
+
+def nproc_per_user_namespace() -> bool:
+    """Whether RLIMIT_NPROC counts the processes of a user namespace alone (Linux >= 5.14, ucounts); before, a
+    namespace's processes counted with all of the user's."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def counts_its_own(p: Plan) -> bool:
+    """The kernel counts the sample's processes apart from everyone else's: a fresh uid, or a user namespace."""
+    return p.drop_uid or (p.user_ns and nproc_per_user_namespace())
 
 
 def own_cgroup2() -> str | None:
@@ -82,23 +135,30 @@ def write(path: str, text: str) -> None:
         f.write(text)
 
 
-def describe(p: Plan) -> dict[str, object]:
-    """What `isolation()` reports for plan `p`: its layers, and what each limit guarantees under them."""
+def describe(p: Plan, view: object) -> dict[str, object]:
+    """What `isolation()` reports for plan `p` and the sample's `view` of the filesystem (`view.View`): its layers,
+    and what each limit guarantees under them."""
     own_ns = p.pid_ns and p.mount_ns
     if p.cgroup:
-        memory = "cgroup v2 memory.max on the whole sample (no swap)"
+        memory = "cgroup v2 memory.max on the whole sample (no swap), shared memory included"
     elif own_ns:
         memory = (
-            "watched: the sample's total private resident memory, polled every 20 ms, plus each process's address space"
+            "watched: every 20 ms, the sample's total private resident memory plus the whole size of every shared "
+            "mapping of each of its processes; plus each process's address space"
         )
     else:
         memory = "per process only (address space): a sample may hold max_processes × memory_mb"
     if p.cgroup:
         processes = "cgroup v2 pids.max on the whole sample"
     elif p.drop_uid:
-        processes = "RLIMIT_NPROC of the sample's own uid: the whole sample"
+        processes = "RLIMIT_NPROC of the sample's own uid: the whole sample, no one else's processes count"
+    elif p.user_ns and nproc_per_user_namespace():
+        processes = "RLIMIT_NPROC in the sample's own user namespace: the whole sample, no one else's processes count"
     else:
-        processes = "RLIMIT_NPROC over the user's current count: shared by concurrent samples"
+        processes = (
+            "counted by the sample's init every 20 ms (its descendants, threads included), killed over the limit; "
+            "RLIMIT_NPROC is only a backstop shared with the user's other processes (64 full samples over their count)"
+        )
     if own_ns:
         cleanup = "PID namespace: its init exits when the program does, and the kernel kills every process left"
     elif p.drop_uid:
@@ -120,8 +180,36 @@ def describe(p: Plan) -> dict[str, object]:
         )
         or "reachable"
     )
+    hiding = [
+        layer
+        for layer, on in (
+            ("Landlock reads only the system folders and the interpreter's standard library", p.landlock_abi),
+            ("the mount namespace covers each with an empty read-only tmpfs", p.mount_ns),
+        )
+        if on
+    ]
+    shared = [
+        layer
+        for layer, on in (
+            (
+                "seccomp refuses memfd_create, memfd_secret, shmget, msgget and shared anonymous mmap over 1 MiB",
+                p.seccomp,
+            ),
+            ("the IPC namespace allows 1 MiB of SysV shared memory and no message queues", p.net_ns),
+            ("the watch counts every shared mapping whole", own_ns and not p.cgroup),
+            ("the cgroup charges shared pages to the sample", bool(p.cgroup)),
+        )
+        if on
+    ]
+    if own_ns:
+        cases = "each case: a fresh tmpfs folder; at its end kill(-1) from the init kills every process it started"
+    else:
+        cases = "each case: the folder emptied; at its end every descendant of the init (their subreaper) is killed" + (
+            "" if p.drop_uid or p.user_ns else ", a daemon included (the whole sample's cleanup is weaker)"
+        )
     return {
         "python": p.python,
+        "callers_python": p.python == sys.executable,
         "separate_uid": p.drop_uid,
         "user_namespace": p.user_ns,
         "pid_namespace": p.pid_ns,
@@ -131,12 +219,25 @@ def describe(p: Plan) -> dict[str, object]:
         "seccomp": p.seccomp,
         "cgroup": p.cgroup,
         "memory": memory,
+        "shared_memory": "; ".join(shared) or "invisible to every limit",
         "processes": processes,
+        "quotas": "seccomp refuses io_setup, semget, mq_open, inotify and fanotify instances (machine- or user-wide "
+        "quotas)"
+        if p.seccomp
+        else "shared with the machine: a sample can exhaust the AIO, SysV and inotify quotas while it lives",
         "disk": "a private tmpfs of disk_mb, seen by the sample alone"
         if p.mount_ns
         else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file",
         "cleanup": cleanup,
+        "cases": cases,
         "unix_sockets": unix,
+        "packages": (
+            "hidden: site-packages, dist-packages and /usr/local (" + "; ".join(hiding) + "); only those named in "
+            "packages=[...] are shown, read only"
+            if hiding
+            else "readable: any installed package the file permissions allow"
+        ),
+        "hidden_folders": view.hide,
     }
 
 

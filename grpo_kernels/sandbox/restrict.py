@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import struct
-import sys
 
 SETUP_FAILED = 97  # the exit status of a run whose isolation could not be applied (with a message on stderr)
 
@@ -19,14 +19,18 @@ libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000  # fmt: skip
 CLONE_NAMESPACES = CLONE_NEWNS | 0x2000000 | 0x4000000 | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x1000, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 28, 38
 EPERM, ENOSYS = 1, 38
 
 # Syscalls the sandboxed code never needs and that would reach past the other layers: sockets (AF_UNIX is not
 # covered by the network namespace), io_uring (it can open sockets without socket()), new namespaces and mounts (a
-# tmpfs of its own would escape the disk quota), tracing other processes, BPF, keyrings. clone3 answers ENOSYS so
-# that the C library falls back to clone, whose flags the filter can inspect.
+# tmpfs of its own would escape the disk quota), tracing other processes, BPF, keyrings. Memory that outlives every
+# process or escapes the memory watch: memfd, SysV shared memory and message queues, secret memory. Quotas shared
+# with the whole machine or user (AIO contexts, SysV semaphores, POSIX message queues, inotify and fanotify
+# instances): one sample could exhaust them for every other process. clone3 answers ENOSYS so that the C library
+# falls back to clone, whose flags the filter can inspect; mmap is inspected too (`SHARED_MAP_BYTES`).
 SYSCALLS = {
     "x86_64": {
         "socket": 41, "socketpair": 53, "ptrace": 101, "chroot": 161, "pivot_root": 155, "mount": 165,
@@ -34,7 +38,9 @@ SYSCALLS = {
         "setns": 308, "process_vm_readv": 310, "process_vm_writev": 311, "bpf": 321, "userfaultfd": 323,
         "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-        "clone": 56, "clone3": 435, "capset": 126,
+        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "semget": 64, "mq_open": 240,
+        "io_setup": 206, "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300,
+        "clone": 56, "clone3": 435, "capset": 126, "mmap": 9,
     },
     "aarch64": {
         "socket": 198, "socketpair": 199, "ptrace": 117, "chroot": 51, "pivot_root": 41, "mount": 40, "umount2": 39,
@@ -42,11 +48,17 @@ SYSCALLS = {
         "process_vm_readv": 270, "process_vm_writev": 271, "bpf": 280, "userfaultfd": 282, "io_uring_setup": 425,
         "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-        "clone": 220, "clone3": 435, "capset": 91,
+        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "semget": 190, "mq_open": 180,
+        "io_setup": 0, "inotify_init1": 26, "fanotify_init": 262,
+        "clone": 220, "clone3": 435, "capset": 91, "mmap": 222,
     },
 }  # fmt: skip
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_NOT_DENIED = ("clone", "clone3", "capset")
+_NOT_DENIED = ("clone", "clone3", "capset", "mmap")
+# The largest shared anonymous mapping one mmap may make (MAP_SHARED | MAP_ANONYMOUS, the same on both
+# architectures): room for a library's small shared buffer, no more; the memory watch counts every shared mapping.
+SHARED_MAP_BYTES = 2**20
+MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20
 
 
 def fail(what: str, err: object) -> None:
@@ -76,20 +88,31 @@ def prctl(option: int, arg: int, what: str) -> None:
 def seccomp_program(machine: str) -> bytes:
     """The filter for `machine` (`os.uname().machine`): denied syscalls fail with EPERM, any other ABI is killed."""
     nr = SYSCALLS[machine]
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    ld, jeq, jgt, jset, ret = 0x20, 0x15, 0x25, 0x45, 0x06
     allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
+
+    def arg(i: int, high: bool = False) -> int:  # offset of a 64-bit argument's low (or high) word, little-endian
+        return 16 + 8 * i + (4 if high else 0)
+
     code: list[tuple[int, object, object, int]] = [(ld, 0, 0, 4), (jeq, 1, 0, AUDIT_ARCH[machine]), (ret, 0, 0, kill)]
     code.append((ld, 0, 0, 0))
     if machine == "x86_64":
-        code.append((jge, "deny", 0, 0x40000000))  # the x32 ABI numbers the same calls differently
+        code.append((0x35, "deny", 0, 0x40000000))  # jge: the x32 ABI numbers the same calls differently
     code += [(jeq, "deny", 0, n) for name, n in nr.items() if name not in _NOT_DENIED]
-    code += [(jeq, "nosys", 0, nr["clone3"]), (jeq, "clone", 0, nr["clone"]), (ret, 0, 0, allow)]
-    labels = {"clone": len(code)}
-    code += [(ld, 0, 0, 16), (jset, "deny", 0, CLONE_NAMESPACES), (ret, 0, 0, allow)]  # args[0]: clone's flags
+    code += [(jeq, "nosys", 0, nr["clone3"]), (jeq, "clone", 0, nr["clone"]), (jeq, "mmap", 0, nr["mmap"])]
+    code.append((ret, 0, 0, allow))
+    labels = {"clone": len(code)}  # every jump goes forward: each block ends in the returns below it
+    code += [(ld, 0, 0, arg(0)), (jset, "deny", "allow", CLONE_NAMESPACES)]  # clone's flags
+    labels["mmap"] = len(code)  # shared and anonymous, over the bound: its length (args[1]) past 32 bits or the bound
+    code += [(ld, 0, 0, arg(3)), (jset, 0, "allow", MAP_ANONYMOUS), (jset, 0, "allow", MAP_SHARED)]
+    code += [(ld, 0, 0, arg(1, high=True)), (jeq, 0, "deny", 0)]
+    code += [(ld, 0, 0, arg(1)), (jgt, "deny", "allow", SHARED_MAP_BYTES)]
     labels["deny"] = len(code)
     code.append((ret, 0, 0, errno | EPERM))
     labels["nosys"] = len(code)
     code.append((ret, 0, 0, errno | ENOSYS))
+    labels["allow"] = len(code)
+    code.append((ret, 0, 0, allow))
     out = b""
     for i, (op, jt, jf, k) in enumerate(code):
         jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
@@ -108,22 +131,24 @@ def apply_seccomp(machine: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Landlock: writes only inside the working folder, reads only system and interpreter folders
+# Landlock: writes only inside the working folder, reads only the folders of the sample's view (`view`)
 
 
-def apply_landlock(abi: int, workdir: str) -> None:
+def apply_landlock(abi: int, workdir: str, readable: list[str], listable: list[str]) -> None:
+    """Writes only in `workdir`; reads only beneath `readable`; `listable` folders may be listed, no more (the
+    folders of the named packages: Python's import lists them; their shown entries are in `readable`)."""
+
     class PathBeneath(ctypes.Structure):
         _pack_ = 1
         _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
     handled = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
-    read_only = 1 | 4 | 8  # EXECUTE | READ_FILE | READ_DIR
+    read_dir, read_file = 1 | 4 | 8, 1 | 4  # EXECUTE | READ_FILE | READ_DIR (a file's rule may not name READ_DIR)
     # fs accesses, TCP bind and connect (ABI 4), scopes: abstract unix sockets and signals (ABI 6)
     attr = (ctypes.c_uint64 * 3)(handled, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     ruleset = check(libc.syscall(444, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)), "landlock")
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    rules = [(p, read_only) for p in ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", *prefixes)]
+    rules = [(p, None) for p in readable] + [(p, 8) for p in listable]
     rules += [("/dev/null", 2 | 4 | (1 << 14 if abi >= 3 else 0)), ("/dev/urandom", 4), ("/dev/random", 4)]
     rules.append((workdir, handled))
     for path, access in rules:
@@ -131,6 +156,8 @@ def apply_landlock(abi: int, workdir: str) -> None:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
             continue  # a folder this system doesn't have
+        if access is None:
+            access = read_dir if stat.S_ISDIR(os.fstat(fd).st_mode) else read_file
         rule = PathBeneath(access, fd)
         check(libc.syscall(445, ruleset, 1, ctypes.byref(rule), ctypes.c_uint32(0)), "landlock_add_rule " + path)
         os.close(fd)
@@ -139,7 +166,9 @@ def apply_landlock(abi: int, workdir: str) -> None:
 
 
 def drop_capabilities(machine: str) -> None:
-    """Clear every capability (those a user namespace grants its creator)."""
+    """Clear every capability (those a user namespace grants its creator), and lock uid 0 of the namespace out of
+    ever regaining them (SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, no ambient ones, each locked)."""
+    prctl(PR_SET_SECUREBITS, 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80, "PR_SET_SECUREBITS")
     header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = bytes(24)  # two {effective, permitted, inheritable} words, all zero
     nr = SYSCALLS[machine]["capset"] if machine in SYSCALLS else None

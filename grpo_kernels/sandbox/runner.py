@@ -3,7 +3,7 @@
 A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
 seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
 (with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
-Just over 400 lines: the three entry points share one run-and-watch loop, which reads best beside them.
+Some 480 lines: the three entry points share one run-and-watch loop, which reads best beside them.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from . import wire
+from . import view, wire
 from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
-from .plan import Plan, cgroup_parent, describe, landlock_abi_of_kernel, remove_cgroup, world_reachable, write
+from .plan import Plan, cgroup_parent, counts_its_own, describe, landlock_abi_of_kernel, remove_cgroup, weaker, write
 from .restrict import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -59,7 +59,7 @@ class SandboxResult:
     timed_out: bool
     passed: bool  # a program: it exited with status 0; tests: the judge saw them run to their end
     uid: int | None = None  # the fresh uid it ran under (as root), None when it ran as the caller
-    limit: str | None = None  # "time", "memory" or "disk" when the run was stopped for that limit
+    limit: str | None = None  # "time", "memory", "disk" or "processes" when the run was stopped for that limit
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,62 +76,78 @@ def _plan() -> Plan:
 
 @functools.lru_cache(maxsize=1)
 def _probe_plan() -> Plan:
-    """The strongest set of layers this machine supports, each confirmed by running a trivial program under it."""
+    """The strongest set of layers this machine supports, each confirmed by running a program under it that
+    imports from the standard library (which a sample must be able to read)."""
     root = os.geteuid() == 0
-    python, drop_uid = sys.executable, False
-    if root:
-        for candidate in (
-            sys.executable,
-            getattr(sys, "_base_executable", ""),
-            "/usr/bin/python3",
-            "/usr/local/bin/python3",
-        ):
-            if candidate and os.path.exists(candidate) and world_reachable(candidate):
-                python, drop_uid = candidate, True
-                break
     namespaces = {"user_ns": not root, "pid_ns": True, "mount_ns": True, "net_ns": True}
     plan = Plan(
-        python, drop_uid, **namespaces, landlock_abi=landlock_abi_of_kernel(), seccomp=platform.machine() in SYSCALLS,
-        cgroup=cgroup_parent() if root else None,
+        sys.executable, root, **namespaces, landlock_abi=landlock_abi_of_kernel(),
+        seccomp=platform.machine() in SYSCALLS, cgroup=cgroup_parent() if root else None,
     )  # fmt: skip
     no_ns = {k: False for k in namespaces}
-    for weaker in (
-        plan,
-        replace(plan, cgroup=None),
-        replace(plan, cgroup=None, seccomp=False),
-        replace(plan, cgroup=None, **no_ns),  # seccomp needs no privilege: keep it where namespaces fail
-        replace(plan, cgroup=None, seccomp=False, **no_ns),
-        replace(plan, cgroup=None, seccomp=False, landlock_abi=0, **no_ns),
-        replace(plan, cgroup=None, seccomp=False, landlock_abi=0, drop_uid=False, **no_ns),
+    for changes in (
+        {},
+        {"cgroup": None},
+        {"cgroup": None, "seccomp": False},
+        {"cgroup": None, **no_ns},  # seccomp needs no privilege: keep it where namespaces fail
+        {"cgroup": None, "seccomp": False, **no_ns},
+        {"cgroup": None, "seccomp": False, "landlock_abi": 0, **no_ns},
+        {"cgroup": None, "seccomp": False, "landlock_abi": 0, "drop_uid": False, **no_ns},
     ):
+        candidate = weaker(plan, **changes)
+        if candidate is None:
+            continue
         try:
-            works = _run(weaker, "print(6 * 7)", SandboxLimits(timeout=30)).passed
+            works = _run(candidate, _PROBE, SandboxLimits(timeout=30)).stdout == "42\n"
         except OSError:  # e.g. a cgroup that refuses its limits
             works = False
         if works:
-            return weaker
+            return candidate
     raise RuntimeError("the sandbox cannot run even a trivial program on this machine")
+
+
+_PROBE = "import fractions\nprint(fractions.Fraction(84, 2))"  # a module the launcher never imported, and _decimal
+
+
+@functools.lru_cache(maxsize=64)
+def _view(python: str, private_home: bool, packages: tuple[str, ...]) -> view.View:
+    also = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)]
+    python_info = view.interpreter(python)
+    return view.view_of(python_info, view.installed(packages, python_info["path"]), private_home, also)
 
 
 def isolation() -> dict[str, object]:
     """Which layers protect sandboxed code on this machine, and what each limit guarantees under them."""
-    return describe(_plan())
+    p = _plan()
+    return describe(p, _view(p.python, p.drop_uid, ()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Public entry points
 
 
-def run_python(source: str, *, limits: SandboxLimits | None = None, stdin: str | bytes = b"") -> SandboxResult:
-    """Run `source` as a program in the sandbox, `stdin` as its input; `passed` when it exits with status 0."""
-    return _run(_plan(), source, limits or SandboxLimits(), stdin=stdin)
+def run_python(
+    source: str, *, limits: SandboxLimits | None = None, stdin: str | bytes = b"", packages: Sequence[str] = ()
+) -> SandboxResult:
+    """Run `source` as a program in the sandbox, `stdin` as its input; `passed` when it exits with status 0.
+    `packages`: installed packages (top-level import names) the program may import, read only; no other is visible."""
+    return _run(_plan(), source, limits or SandboxLimits(), stdin=stdin, packages=packages)
 
 
-def run_tests(solution: str, tests: str, *, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_tests(
+    solution: str,
+    tests: str,
+    *,
+    limits: SandboxLimits | None = None,
+    setup: str | None = None,
+    packages: Sequence[str] = (),
+) -> SandboxResult:
     """Judge `solution` by `tests` (Python source, e.g. asserts): the solution runs in the sandbox, the tests in a
     judge process that reaches the solution's top-level names through proxies (plain data each way, see `wire`).
-    `passed` only when the tests ran to their end in the judge."""
-    return _run(_plan(), solution, limits or SandboxLimits(), tests=tests)
+    `setup`: trusted source the judge runs before the tests (a benchmark's prompt): the names it defines are the
+    tests' own, shadowing the solution's, except functions it only declares (a docstring or `...` for a body),
+    which the solution is to define. `passed` only when the tests ran to their end in the judge."""
+    return _run(_plan(), solution, limits or SandboxLimits(), tests=tests, setup=setup, packages=packages)
 
 
 def normalize_output(text: str) -> list[str]:
@@ -146,11 +162,13 @@ def run_stdio(
     limits: SandboxLimits | None = None,
     time_limit: float | None = None,
     stop_at_first_failure: bool = False,
+    packages: Sequence[str] = (),
 ) -> list[bool]:
     """Run `program` once per (input, expected output) case, each in a process of its own inside one sandbox, with
     `time_limit` seconds of wall clock each (else `limits.timeout`); a case passes when the program exits 0 and its
     output equals the expected one after `normalize_output`. The comparison happens here, in the caller, which never
-    sends the expected outputs into the sandbox."""
+    sends the expected outputs into the sandbox. Each case starts from the same empty folder, and every process it
+    started dies when it ends (see `isolation()["cases"]`)."""
     limits = limits or SandboxLimits()
     seconds = limits.timeout if time_limit is None else time_limit
     limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))
@@ -164,12 +182,40 @@ def run_stdio(
 
     room = max(limits.max_output_bytes, 2 * max((len(out) for _, out in cases), default=0) + 4096)
     work = Cases([given for given, _ in cases], seconds, room, judge, stop_at_first_failure)
-    _run(_plan(), program, limits, cases=work)
+    _run(_plan(), program, limits, cases=work, packages=packages)
     return verdicts + [False] * (len(cases) - len(verdicts))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # One run
+
+# Threads count against max_processes: a numerical library starts one per core unless told otherwise.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Without a namespace or uid of its own, RLIMIT_NPROC counts every process of the user: only a backstop, this many
+# full samples over what the user runs already; the sample's own count is the init's watch (`isolation()`).
+_SHARED_ROOM = 64
+
+
+def _process_limit(plan: Plan, uid: int | None, max_processes: int) -> int:
+    if uid is not None:  # a fresh uid: its count is the sample's own program and descendants
+        return max_processes
+    if counts_its_own(plan):  # counted in the sample's user namespace, where the launcher and the init are too
+        return max_processes + 2
+    return count_tasks(os.getuid()) + (max_processes + 2) * _SHARED_ROOM
+
+
+def _package_names(packages: Sequence[str], plan: Plan) -> tuple[str, ...]:
+    if isinstance(packages, str) or not all(isinstance(p, str) for p in packages):
+        raise TypeError(f"packages must be a list of top-level module names, got {packages!r:.80}")
+    bad = [p for p in packages if not p.isidentifier()]
+    if bad:
+        raise ValueError(f"packages must be top-level module names (numpy, not numpy.linalg), got {bad!r:.80}")
+    if packages and plan.python != sys.executable:
+        raise ValueError(
+            f"packages={list(packages)!r} needs the sandbox to run this interpreter ({sys.executable}), but on this "
+            f"machine it runs {plan.python} (a fresh uid without a mount namespace; see isolation())"
+        )
+    return tuple(sorted(set(packages)))
 
 
 def _run(
@@ -180,7 +226,10 @@ def _run(
     tests: str | None = None,
     stdin: str | bytes = b"",
     cases: Cases | None = None,
+    setup: str | None = None,
+    packages: Sequence[str] = (),
 ) -> SandboxResult:
+    seen = _view(plan.python, plan.drop_uid, _package_names(packages, plan))
     uid = 1_000_000_000 + secrets.randbelow(1_000_000_000) if plan.drop_uid else None  # owns no file, no process
     rlimits = {
         "RLIMIT_CORE": 0,
@@ -188,8 +237,8 @@ def _run(
         "RLIMIT_AS": limits.memory_mb * 2**20,
         "RLIMIT_FSIZE": limits.max_file_mb * 2**20,
         "RLIMIT_NOFILE": limits.max_open_files,
-        # every process of the real uid counts: a fresh uid starts at 0, the user's own at its current count
-        "RLIMIT_NPROC": limits.max_processes + (0 if uid is not None else count_tasks(os.getuid())),
+        "RLIMIT_NPROC": _process_limit(plan, uid, limits.max_processes),
+        "RLIMIT_MSGQUEUE": 0,
     }
     pipes: list[int] = []
 
@@ -228,12 +277,17 @@ def _run(
                 "memory_bytes": None if cgroup else limits.memory_mb * 2**20,
                 "landlock_abi": plan.landlock_abi,
                 "seccomp": plan.seccomp,
+                "view": {"hide": seen.hide, "show": seen.show},
+                "readable": seen.roots if plan.mount_ns else seen.read,
+                "path": seen.path,
+                "max_processes": limits.max_processes,
+                "count_processes": not counts_its_own(plan),  # else the init counts them
                 "fds": fds,
                 "status_fd": status_w,
             }
             if cases is not None:
                 job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, **_ONE_THREAD}
             start = time.monotonic()
             sandbox = subprocess.Popen(
                 [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(job_r)],
@@ -257,9 +311,8 @@ def _run(
                 _close(fd, pipes)
             _feed(job_w, json.dumps(job).encode(), pipes)
             if tests is not None:
-                _feed_judge(
-                    judge, {"tests": tests, "nonce": nonce, "fds": [calls_w, replies_r, verdict_w], "path": _SITE}
-                )
+                fds_judge = [calls_w, replies_r, verdict_w]
+                _feed_judge(judge, {"tests": tests, "setup": setup, "nonce": nonce, "fds": fds_judge, "path": _SITE})
             deadline = start + limits.timeout
             watch_disk = None if plan.mount_ns else limits.disk_mb * 2**20
             if cases is not None:
@@ -272,7 +325,7 @@ def _run(
                 timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
             kill_run(procs, cgroup, uid, plan)
             code = sandbox.returncode
-            over_memory = os.read(status_r, 64) == b"memory\n"  # every writer is dead: this cannot block
+            over = os.read(status_r, 64)  # every writer is dead: this cannot block
             stdout, stderr = _tail(out, limits.max_output_bytes), _tail(err, limits.max_output_bytes)
             if judge_out is not None:
                 judge_text = _tail(judge_out, limits.max_output_bytes)
@@ -289,8 +342,10 @@ def _run(
             remove_cgroup(cgroup)
         shutil.rmtree(workdir, ignore_errors=True)
     limit = "time" if timed_out else "disk" if over_disk else None
-    if over_memory or (cgroup and oom_killed(cgroup)):
+    if over == b"memory\n" or (cgroup and oom_killed(cgroup)):
         limit = "memory"
+    elif over == b"processes\n":
+        limit = "processes"
     if code == SETUP_FAILED and "sandbox setup failed" in stderr:
         timed_out = False
     if tests is None:

@@ -9,9 +9,11 @@ the sandbox. This module is stdlib-only: the sandboxed launcher and the judge im
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
+
+TYPE_CHECKING = False  # `typing` costs the launcher and the judge milliseconds at each start: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_DEPTH = 64
 MAX_MESSAGE = 16 * 2**20  # bytes of one message: a larger one is refused, not buffered
@@ -114,9 +116,62 @@ def _pairs(items: list) -> list:
     return items
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# JSON text, as `json.dumps(value, separators=(",", ":"))` and `json.loads` write and read it
+
+
+class _Decoding:
+    """What `_json`'s scanner reads from a `json.JSONDecoder`: strict, with no hooks, and no NaN or Infinity."""
+
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+
+    @staticmethod
+    def parse_constant(name: str) -> None:
+        raise ValueError(f"{name} is not plain JSON")
+
+
+def _refuse(value: object) -> None:
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+try:  # CPython's JSON accelerator, without the `json` package: that imports `re` and `enum`, a third of the start
+    import _json  # of the launcher and of the judge (each sample starts both)
+
+    _scan = _json.make_scanner(_Decoding())
+    _encode = _json.make_encoder({}, _refuse, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
+except (ImportError, AttributeError, TypeError):  # another interpreter, or another signature: the json package
+    _scan = _encode = None
+
+
+def dumps(value: object) -> str:
+    if _encode is None:
+        import json
+
+        return json.dumps(value, separators=(",", ":"))
+    return "".join(_encode(value, 0))
+
+
+def loads(text: str | bytes) -> Any:
+    """The value of JSON `text`; ValueError if it is not exactly one JSON value (RecursionError if too deep)."""
+    if _scan is None:
+        import json
+
+        return json.loads(text)
+    text = (text.decode() if isinstance(text, bytes) else text).strip(" \t\n\r")
+    try:
+        value, end = _scan(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("extra data after a JSON value")
+    return value
+
+
 def send(fd: int, message: dict) -> None:
     """Write one message (a JSON object on one line) to `fd`."""
-    data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    data = dumps(message).encode() + b"\n"
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -144,7 +199,7 @@ class Reader:
         line = bytes(self.buffer[:end])
         del self.buffer[: end + 1]
         try:
-            message = json.loads(line)
+            message = loads(line)
         except (ValueError, RecursionError) as err:
             raise NotPlain(f"malformed message: {err}") from None
         if type(message) is not dict:
