@@ -324,6 +324,15 @@ def write_summary(summary: dict[str, Any], ctx: dict[str, Any]) -> None:
         shutil.copy(logs / name, out_dir / name)
 
 
+def allowance(todo: list[Phase], i: int, left: float, scale: float = 1) -> float:
+    """Seconds phase todo[i] may run when `left` seconds remain before the check's limit: its budget, never what
+    the phases after it are kept; a '+' phase all there is less that (its budget and the earlier phases' slack)."""
+    later = scale * sum(p.budget_s for p in todo[i + 1 :])
+    phase = todo[i]
+    allowed = left - later if phase.takes_slack else min(scale * phase.budget_s, left - later)
+    return min(max(allowed, 0.0), max(left, 0.0))
+
+
 def _budget_text(name: str) -> str:
     phase = next(p for p in PHASES if p.name == name)
     return f"{phase.budget_s}+" if phase.takes_slack else str(phase.budget_s)
@@ -391,11 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t0 + limit
     summary["limit_s"] = limit
     for i, phase in enumerate(todo):
-        later = scale * sum(p.budget_s for p in todo[i + 1 :])  # kept for the phases after this one
-        left = deadline - time.time()
-        # A '+' phase gets its budget and what the phases before it left unused: all there is, less what is kept.
-        allowed = left - later if phase.takes_slack else min(scale * phase.budget_s, left - later)
-        allowed = min(max(allowed, 0.0), left)
+        allowed = allowance(todo, i, deadline - time.time(), scale)
         if i == 0:  # the install is part of the first phase's time (env's, unless --only leaves it out)
             t_install = time.time()
             install_carried_wheels(args.wheels, site, log, deadline=t_install + allowed)

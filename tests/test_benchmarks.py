@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from benchmarks import bench_loss, gpu_check
-from benchmarks.lib import harness, runner
+from benchmarks.lib import harness, runner, traffic
 from benchmarks.lib.contenders import CONTENDERS, FAULT_ENV, faults
 from benchmarks.lib.linear import CONTENDERS as LINEAR_CONTENDERS
 from benchmarks.lib.measure import NOT_REACHED
 from benchmarks.lib.workload import Workload
 
-from .conftest import INTERPRETER_BLOCKER
+from .conftest import INTERPRETER_BLOCKER, needs_triton_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 needs_interpreter = pytest.mark.skipif(
@@ -125,6 +125,75 @@ def test_phase_timeout_kills_its_processes(tmp_path):
         time.sleep(0.1)
     assert not _alive(grandchild)
     assert gpu_check._run([sys.executable, "-c", "print('done')"], 30.0, ctx) == 0
+
+
+def test_budgets_share_the_time_and_end_by_the_limit():
+    """The check's budgets leave a rerun: 7 minutes at most. A '+' phase gets its budget and the slack before it; a
+    phase never eats what the phases after it are kept, so phases that each run to their limit and 10 s past it
+    (a killed phase's teardown) still end the check within its limit."""
+    phases = list(gpu_check.PHASES)
+    assert sum(p.budget_s for p in phases) == gpu_check.TOTAL_S
+    assert gpu_check.TOTAL_S + gpu_check.MARGIN_S <= gpu_check.LIMIT_S <= 7 * 60
+    assert next(p.name for p in phases if p.takes_slack) == "loss_headline" == phases[2].name
+    left = gpu_check.TOTAL_S - 5 - 30  # env took 5 s of its 45, kernel_tests 30 of its 90
+    assert gpu_check.allowance(phases, 2, left) == 90 + 40 + 60
+    assert gpu_check.allowance(phases, 3, left - 190) == 45  # the headline used it all: l2 still gets its budget
+    for overrun in (0.0, 10.0):
+        left = float(gpu_check.TOTAL_S)
+        given = []
+        for i in range(len(phases)):
+            given.append(gpu_check.allowance(phases, i, left))
+            left -= given[-1] + overrun if given[-1] >= 5 else 0  # under 5 s the phase is skipped (main)
+        assert left >= -overrun, given  # only the last phase's teardown runs past TOTAL_S
+        if overrun == 0:
+            assert given == [p.budget_s for p in phases], given  # on time: every phase its budget, no more
+        assert gpu_check.TOTAL_S - left <= gpu_check.LIMIT_S - gpu_check.MARGIN_S + overrun
+    # --only: a phase alone gets its budget (the dry run's, three times as much)
+    assert gpu_check.allowance([phases[3]], 0, 45, scale=1) == 45
+    assert gpu_check.allowance([phases[3]], 0, 500, scale=3) == 135
+
+
+def test_real_run_commands(tmp_path):
+    """What the GPU run starts (the dry run tests the same commands at toy sizes): the headline shape, the loss
+    table's budget inside its phase's, no dry-run flag anywhere."""
+    ctx = {"python": "python", "dry": False, "results": tmp_path, "script": "gpu_check.py", "loss_stem": "cuda-X",
+           "linear_stem": "linear-cuda-X", "phase_deadline": time.time() + 100}  # fmt: skip
+    cmds = {p.name: gpu_check.commands(p.name, ctx) for p in gpu_check.PHASES}
+    flat = [arg for phase in cmds.values() for cmd in phase for arg in cmd]
+    assert not {"--dry-run", "--tiny", "cpu"} & set(flat)
+    (head,) = cmds["loss_headline"]
+    assert head[head.index("--shapes") + 1] == "bf16:151936:16384" and "--no-plot" in head
+    assert 80 <= int(head[head.index("--budget-s") + 1]) <= 100 - gpu_check.SUPERVISOR_MARGIN_S
+    assert head[head.index("--contender-timeout-s") + 1] == str(gpu_check.CONTENDER_TIMEOUT_S)
+    (rest,) = cmds["loss_rest"]
+    assert "--resume" in rest and "--shapes" not in rest and "--contenders" not in rest
+    assert cmds["other_gpu_tests"][0][-4:] == ["tests", "-m", "gpu", "--ignore=tests/test_gpu.py"]
+    assert cmds["linear_rest"][0][cmds["linear_rest"][0].index("--shapes") + 1] == "rest"
+    assert cmds["report"] == []  # no loss table to plot yet
+
+
+@needs_triton_cpu
+def test_l2_grid_switch_is_set_and_undone(monkeypatch):
+    """traffic.fused_grid sets triton_logits.FUSED_GRID (the launcher reads it at every launch) and records the grid
+    each launch used, and undoes both; without the switch in the package it says so and changes nothing."""
+    from grpo_kernels.ops import triton_logits
+
+    kernel = triton_logits.fused_token_grad_fwd_kernel
+    if not hasattr(triton_logits, "FUSED_GRID"):
+        with pytest.raises(NotImplementedError, match="no FUSED_GRID switch"), traffic.fused_grid("sms"):
+            pass
+        assert triton_logits.fused_token_grad_fwd_kernel is kernel
+        monkeypatch.setattr(triton_logits, "FUSED_GRID", None, raising=False)  # as the package will have it
+    batch, length, vocab = 1, 3, 16
+    x, ids = torch.randn(batch, length, vocab), torch.randint(0, vocab, (batch, length))
+    ones = torch.ones(batch, length)
+    with traffic.fused_grid("sms") as probe:
+        assert triton_logits.FUSED_GRID == "sms" and triton_logits.fused_token_grad_fwd_kernel is probe
+        triton_logits.fused_token_grad(x, ids, 1.0, advantages=ones, old_logp=None, ref_logp=None, is_ratio=None,
+                                       weight=ones, entropy_weight=None, cfg=Workload(beta=0.0).config(),
+                                       out=torch.empty_like(x))  # fmt: skip
+    assert probe.programs == {batch * length}  # the interpreter: one program per row
+    assert triton_logits.FUSED_GRID is None and triton_logits.fused_token_grad_fwd_kernel is kernel
 
 
 def _wheel(folder: Path, name: str) -> Path:

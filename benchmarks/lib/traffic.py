@@ -79,7 +79,7 @@ class _GridProbe:
 
 
 @contextlib.contextmanager
-def _fused_grid(choice: str | None) -> Iterator[_GridProbe | None]:
+def fused_grid(choice: str | None) -> Iterator[_GridProbe | None]:
     """The fused kernel's grid set to `choice` ("sms", "l2"; None: the package's default) through
     triton_logits.FUSED_GRID, which the launcher reads at every launch; yields the probe of the grids launched."""
     from grpo_kernels.ops import triton_logits
@@ -189,7 +189,7 @@ def _measure(dtype_name: str, vocab: int, tokens: int, device: str, reps: int, w
     for name, nbytes, what, fn, before, grid in plan:
         row: dict[str, Any] = {"name": name, "what": what, "bytes": nbytes, "status": "ok", "note": ""}
         try:
-            with _fused_grid(grid) if name.startswith("fused") else contextlib.nullcontext() as probe:
+            with fused_grid(grid) if name.startswith("fused") else contextlib.nullcontext() as probe:
                 t = _timed(fn, device, reps, warmup, before)
             row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
             if probe is not None:
@@ -203,7 +203,7 @@ def _measure(dtype_name: str, vocab: int, tokens: int, device: str, reps: int, w
         row = {"name": "fused_token_grad [default]", "what": "one read, gradient written; the package's default grid",
                "bytes": 2 * size, "status": "ok", "note": ""}  # fmt: skip
         try:
-            with _fused_grid(None) as probe:
+            with fused_grid(None) as probe:
                 t = _timed(lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused_args), device, reps, warmup)
             row.update(time_ms=t, GBps=2 * size / (t["median"] / 1e3) / 1e9)
             row["programs"] = None if probe is None else sorted(probe.programs, key=str)
