@@ -198,7 +198,11 @@ def measure_l2(results: Path, dry: bool) -> None:
     payload["shapes"] = []
     stem = results / f"l2-{harness.device_slug(info)}"
     for dtype_name, vocab, tokens in DRY_L2_SHAPES if dry else L2_SHAPES:
-        payload["shapes"].append(measure_shape(dtype_name, vocab, tokens, device, *((1, 0) if dry else (10, 2))))
+        try:
+            shape = measure_shape(dtype_name, vocab, tokens, device, *((1, 0) if dry else (10, 2)))
+        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up (out of memory) costs its own rows
+            shape = {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": [], "error": f"{type(e).__name__}: {e}"}
+        payload["shapes"].append(shape)
         harness.write_json(stem.with_suffix(".json"), payload)
         harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload))
         print(report.traffic_markdown(payload), flush=True)

@@ -352,8 +352,9 @@ def test_headline_killed_after_its_first_contender_keeps_ours(tmp_path):
 
 
 # A stand-in for runner.shape_worker that speaks its protocol without torch: each row of the spec's todo as
-# FAKE_PLAN says ("ok", "crash": SIGKILL, "hang", "broken": the row with a sticky error, then exit 3); before each
-# row it notes which rows the results file already holds (FAKE_SEEN), to show that each row was written at once.
+# FAKE_PLAN says ("ok", "crash": SIGKILL halfway through a message, "hang", "broken": the row with a sticky error,
+# then exit 3). Before each row it notes which rows the results file already holds (FAKE_SEEN), to show that each
+# row was written at once.
 FAKE_WORKER = r"""
 import json, os, signal, sys, time
 spec, plan = json.loads(sys.argv[1]), json.loads(os.environ["FAKE_PLAN"])
@@ -367,7 +368,9 @@ for dtype, vocab, tokens, name in spec["todo"]:
            "note": "", "time_ms": {"median": 1.0, "p20": 1.0, "p80": 1.0, "n": 1}, "peak_bytes": 0, "GBps": 1.0,
            "copy_bw_fraction": None, "loss": 1.0, "grad_norm": 1.0}
     what = "excluded" if name in spec["excluded"] else plan.get(name, "ok")
-    if what == "crash":
+    if what == "crash":  # killed in the middle of a message
+        sys.stdout.write('@@RECORD {"record": {"contender": ')
+        sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     if what == "hang":
         time.sleep(600)

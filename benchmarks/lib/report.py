@@ -410,6 +410,9 @@ def traffic_markdown(payload: dict[str, Any]) -> str:
     headers = ["dtype", "V", "B·T", "launch", "median ms", "[p20, p80]", "bytes", "GB/s", "% copy", "programs", "note"]
     rows = []
     for shape in payload["shapes"]:
+        if shape.get("error"):
+            rows.append([shape["dtype"], shape["V"], shape["BT"], "–", *["–"] * 6,
+                         f"**error**: {shape['error'][:200]}".replace("|", "/")])  # fmt: skip
         for r in shape["rows"]:
             head = [shape["dtype"], shape["V"], shape["BT"], r["name"]]
             if r["status"] != "ok":

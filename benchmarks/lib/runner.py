@@ -226,7 +226,7 @@ class _Child:
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
         # The same process group as the supervisor: the GPU check's kill of a phase reaches the worker too.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=env)  # fmt: skip
+                                     errors="replace", env=env)  # fmt: skip
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.running: Key | None = None
         self.broken: dict[str, Any] | None = None
@@ -255,11 +255,14 @@ class _Child:
                 break
             if line is None:
                 break
-            if not line.startswith("@@"):
+            try:
+                kind, text = line[2:].split(" ", 1) if line.startswith("@@") else ("", "")
+                data = json.loads(text) if kind else None
+            except ValueError:  # a message cut short (the child killed mid-line): output, not a message
+                kind = ""
+            if not kind:
                 print(line, end="", flush=True)
                 continue
-            kind, text = line[2:].split(" ", 1)
-            data = json.loads(text)
             if kind == "START":
                 self.running, started = tuple(data["key"]), time.time()
             elif kind == "RECORD":
