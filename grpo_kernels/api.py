@@ -2,7 +2,9 @@
 
 A call flows (docs/architecture.md draws it): validate once -> `LossConfig` + `TokenInputs` + aggregation weights
 -> `_GRPOLossFunction` -> a `RowBackend` from `dispatch.pick_backend` (Triton on CUDA, chunked torch elsewhere).
-The gradient is computed in the forward, while the row is hot; backward only scales it.
+The gradient is computed in the forward, while the row is hot; backward only scales it, on the device. With
+check_inputs=False nothing is read back to the host between entry and return, nor in the backward (the value checks
+stay on the device: `validation.value_guard`), so a call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import torch
 
 from .compile_op import compiled_grpo_loss
 from .config import LossConfig, make_config
-from .dispatch import pick_backend
+from .dispatch import pick_backend, scale_
 from .distributed import check_group, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective, per_token_objective
 from .ops.rows import RowBackend
-from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs
+from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs, value_guard
 from .vocab_parallel import ShardBackend, shard_offset
 
 
@@ -122,9 +124,7 @@ class _GRPOLossFunction(torch.autograd.Function):
                 "(use retain_graph only with a fresh grpo_loss call)"
             )
         ctx.grad_logits = None
-        scale = float(grad_loss)  # one host sync for a scalar; saves a pass over the gradient when it is 1
-        if scale != 1.0:
-            grad.mul_(scale)  # a Python scalar is applied in fp32 (opmath), not rounded to the gradient's dtype
+        scale_(grad, grad_loss)  # on the device, in fp32 (opmath); no pass when it is exactly 1 (on CUDA)
         return grad, None, None, None, None, None, None, None
 
 
@@ -192,15 +192,22 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
 
 def selective_log_softmax(
-    logits: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto"
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    check_inputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token and the entropy of each row, without a full log_softmax.
 
     Args:
         logits: [B, T, V] float32/bfloat16/float16/float64 (float64: the torch path, computed in float64); any batch
             and time strides, unit vocabulary stride.
-        completion_ids: [B, T] int32/int64 in [0, V).
+        completion_ids: [B, T] int32/int64 in [0, V). An id outside that range is never read out of bounds: its
+            token's ℓ and H are NaN, and so is its row of the gradient.
         temperature: τ > 0; the distribution is softmax(logits / τ).
+        check_inputs: raise a ValueError for an id outside [0, V) instead (one host sync).
     Returns:
         (logp, entropy), each [B, T] float32 (float64 for float64 logits), differentiable w.r.t. `logits` through
         both.
@@ -209,9 +216,13 @@ def selective_log_softmax(
     batch, length, vocab = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
     temperature = LossConfig(temperature=temperature).temperature
+    check_inputs = LossConfig(check_inputs=check_inputs).check_inputs
     rows = pick_backend(logits.device, backend, logits.dtype)
-    check_ids_range(ids, vocab)
-    return _SelectiveLogSoftmax.apply(logits, ids, temperature, rows)
+    if check_inputs:
+        check_ids_range(ids, vocab)
+    guard = value_guard(ids, vocab)
+    logp, entropy = _SelectiveLogSoftmax.apply(logits, guard.ids, temperature, rows)
+    return guard.tokens(logp), guard.tokens(entropy)
 
 
 def grpo_loss(
@@ -239,7 +250,9 @@ def grpo_loss(
         logits: [B, T, V] float32/bfloat16/float16/float64 (float64: the torch path, computed in float64; the
             outputs are then float64), `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
-        completion_ids: [B, T] int32/int64 in [0, V).
+        completion_ids: [B, T] int32/int64 in [0, V). An id outside that range is never read out of bounds: its
+            token's ℓ and H are NaN, and so are the loss, the metrics and the gradient (docs/loss.md, "Value
+            checks"; check_inputs=True raises instead). So are they for a mask value other than 0/1 or ρ < 0.
         advantages: [B], [B, 1] or [B, T].
         completion_mask: [B, T] bool/int/float of 0/1, 1 = a token that counts; default all ones. A masked token is
             absent: whatever its logits row and per-token inputs hold (NaN, ±inf), it changes nothing.
@@ -268,8 +281,9 @@ def grpo_loss(
             epsilon_low, epsilon_high, delta, temperature, importance_sampling_level ("token" | "sequence"),
             use_bias_correction_kl, max_completion_length, num_items_in_batch, sapo_temperature_pos/neg,
             vespo_k_pos/neg, vespo_lambda_pos/neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef
-            (see `LossConfig`; defaults as in TRL's GRPOConfig), check_inputs (raise on NaN/inf at unmasked
-            tokens, logits included). Validated once, here, into one `LossConfig`.
+            (see `LossConfig`; defaults as in TRL's GRPOConfig), check_inputs (check the values on the host, one
+            host sync: raise on ids outside [0, V), a mask other than 0/1, ρ < 0 and NaN/inf at unmasked tokens,
+            logits included; off, nothing is read back). Validated once, here, into one `LossConfig`.
     Returns:
         GRPOOutput(loss, logp, entropy, metrics); `loss` is [B, T] with reduction="none".
 
@@ -306,7 +320,7 @@ def grpo_loss(
     rows = pick_backend(logits.device, backend, logits.dtype)
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, logits.device)
-        rows = ShardBackend(vocab_parallel_group, offset, vocab, rows)
+        rows = ShardBackend(vocab_parallel_group, offset, rows)
     data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
     inp = token_inputs(
         batch, length, logits.device,
@@ -315,17 +329,24 @@ def grpo_loss(
     )  # fmt: skip
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
-    check_values(  # one host sync: ids against the full vocabulary (when the logits are a shard), mask, ρ, ...
-        ids, vocab, inp, check_inputs=cfg.check_inputs, beta=cfg.beta, logits=logits,
-        logits_are_shard=vocab_parallel_group is not None,
-    )  # fmt: skip
+    if cfg.check_inputs:
+        check_values(  # the call's one host sync: ids against the full vocabulary (of a shard too), mask, ρ, ...
+            ids, vocab, inp, beta=cfg.beta, logits=logits, logits_are_shard=vocab_parallel_group is not None,
+        )  # fmt: skip
+    guard = value_guard(ids, vocab, inp)  # on the device: in-range ids, NaN results for invalid values
     metrics: dict[str, torch.Tensor] = {}
     if reduction == "none":
-        loss, logp, entropy = _PerTokenLossFunction.apply(logits, ids, cfg, rows, inp, inplace_backward, metrics)
-        return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
-    weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
-    loss, logp, entropy = _GRPOLossFunction.apply(logits, ids, cfg, rows, inp, weights, inplace_backward, metrics)
-    return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
+        loss, logp, entropy = _PerTokenLossFunction.apply(
+            logits, guard.ids, cfg, rows, inp, inplace_backward, metrics
+        )
+    else:
+        weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
+        loss, logp, entropy = _GRPOLossFunction.apply(
+            logits, guard.ids, cfg, rows, inp, weights, inplace_backward, metrics
+        )
+    return GRPOOutput(
+        loss=loss * guard.call, logp=guard.tokens(logp), entropy=guard.tokens(entropy), metrics=guard.scalars(metrics)
+    )
 
 
 class GRPOLoss(torch.nn.Module):

@@ -4,7 +4,9 @@ Eager calls go through the autograd.Function in api.py (the one-read fused path)
 cannot trace the kernels' host code, so grpo_loss calls `compiled_grpo_loss`: two opaque ops, `row_stats`
 (forward) and `row_grad` (its backward), with the O(B·T) objective traced between them; AOT autograd
 differentiates that objective to get g and h. This is the two-read schedule of the sequence-level options, for
-every option. Imports api's helpers, never api itself (api imports this module).
+every option. The value checks are eager's: on the device in the traced code (`value_guard`), and with
+check_inputs=True `check_values` in an op of its own, which reads its findings back and raises by name. Imports
+api's helpers, never api itself (api imports this module).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 
 from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
 from .dispatch import pick_backend
-from .loss_math import grpo_objective
+from .loss_math import TokenInputs, grpo_objective
 from .ops.rows import RowBackend, empty_row_state, stats_dtype
-from .validation import check_ids, check_ids_range, check_logits, token_inputs
+from .validation import check_ids, check_logits, check_values, token_inputs, value_guard
 
 
 def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
@@ -30,8 +32,8 @@ def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
 def row_stats_op(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/rows.py, "ℓ in float64")."""
-    check_ids_range(ids, logits.shape[-1])
+    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/rows.py, "ℓ in float64"). `ids` lie
+    in [0, V) (the traced code's `value_guard` put them there)."""
     return _rows(backend, logits).row_stats(logits, ids, temperature)
 
 
@@ -110,6 +112,29 @@ def _(x, loss_type, level, numbers):
     return x.new_empty(())
 
 
+@torch.library.custom_op("grpo_kernels::check_values", mutates_args=())
+def check_values_op(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    is_ratio: torch.Tensor | None,
+    beta: float,
+) -> torch.Tensor:
+    """check_inputs=True: eager's `check_values` at run time (one host read; a ValueError naming the argument).
+    Returns a 0-d zero, added to the loss's factor by the caller so that the op is never dropped as unused."""
+    inp = TokenInputs(advantages, mask, old_logp, ref_logp, is_ratio, None)
+    check_values(ids, logits.shape[-1], inp, beta=beta, logits=logits)
+    return mask.new_zeros((), dtype=torch.float32)
+
+
+@check_values_op.register_fake
+def _(logits, ids, advantages, mask, old_logp, ref_logp, is_ratio, beta):
+    return mask.new_empty((), dtype=torch.float32)
+
+
 def flat_numbers(cfg: TracedConfig) -> list[float]:
     numbers = []
     for name in NUMERIC_OPTIONS:
@@ -135,6 +160,14 @@ def compiled_grpo_loss(
     batch, length, _ = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
     inp = token_inputs(batch, length, logits.device, *tensors, beta=cfg.beta, data_group=data_group)
-    logp, entropy, _ = row_stats_op(logits, ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
+    guard = value_guard(ids, logits.shape[-1], inp)
+    call = guard.call
+    if cfg.check_inputs:  # its zero joins the loss's factor: an op whose result is used is never dropped
+        call = call + check_values_op(
+            logits.detach(), ids, inp.advantages, inp.mask, inp.old_logp, inp.ref_logp, inp.is_ratio, cfg.beta
+        )
+    logp, entropy, _ = row_stats_op(logits, guard.ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
     loss, metrics = grpo_objective(logp, entropy.double(), inp, cfg)
-    return loss.to(entropy.dtype), logp.detach().to(entropy.dtype), entropy.detach(), metrics
+    loss = loss.to(entropy.dtype) * call
+    logp, entropy = guard.tokens(logp.detach().to(entropy.dtype)), guard.tokens(entropy.detach())
+    return loss, logp, entropy, guard.scalars(metrics)

@@ -1,4 +1,5 @@
-"""The one place a backend is chosen: `pick_backend` for the logits path, `pick_linear_backend` for fused-linear.
+"""The one place a backend is chosen: `pick_backend` for the logits path, `pick_linear_backend` for fused-linear,
+`scale_` for the backward's scaling of a stored gradient.
 
 Both return objects typed by the protocols of ops/rows.py. The Triton modules are imported only when picked, so a
 machine without Triton (or without CUDA) never imports them.
@@ -67,3 +68,20 @@ def pick_linear_backend(device: torch.device, name: str = "auto", dtype: torch.d
     from .ops import linear_triton
 
     return linear_triton
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """x *= scale in place without reading `scale` (the upstream gradient of a scalar loss) on the host.
+
+    On CUDA a Triton kernel reads it and skips the pass when it is exactly 1 (ops/triton_scale.py); elsewhere the
+    host is the device and `mul_` takes the 0-d tensor as an fp32 scalar, exactly as `mul_(float(scale))` does.
+    """
+    if x.is_cuda:
+        try:
+            from .ops import triton_scale
+        except ImportError:  # no Triton: one pass, the scale rounded to x's dtype for half-precision x
+            x.mul_(scale)
+            return
+        triton_scale.scale_(x, scale)
+        return
+    x.mul_(scale)

@@ -4,9 +4,9 @@ own loss.
 
 A call flows: validate once (the same checks as `grpo_loss`, validation.py) -> pass 1 over vocabulary tiles gives
 ℓ, H, lse per token -> the float64 objective gives g = ∂loss/∂ℓ, h = ∂loss/∂H -> pass 2 recomputes the tiles and
-accumulates ∂hidden, ∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients.
-`fused_linear_log_softmax` runs pass 1 in its forward and pass 2 in its backward, with the upstream gradients of ℓ
-and H as g and h.
+accumulates ∂hidden, ∂weight, ∂bias in fp32. Both passes run in the forward; backward only scales the stored gradients,
+on the device. `fused_linear_log_softmax` runs pass 1 in its forward and pass 2 in its backward, with the upstream
+gradients of ℓ and H as g and h. As in api.py, with check_inputs=False nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 
 from .api import GRPOOutput
 from .config import LossConfig, make_config
-from .dispatch import pick_linear_backend
+from .dispatch import pick_linear_backend, scale_
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, grpo_objective
 from .ops.rows import LinearBackend
-from .validation import check_ids, check_ids_range, check_rows_tensor, check_values, token_inputs
+from .validation import check_ids, check_ids_range, check_rows_tensor, check_values, token_inputs, value_guard
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -63,10 +63,12 @@ def _check_linear(hidden: Any, weight: Any, bias: Any) -> None:
 
 def _prepare(
     hidden: Any, weight: Any, bias: Any, completion_ids: Any, backend: str, vocab_parallel_group: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, LinearBackend | LinearShard, int]:
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, LinearBackend | LinearShard, int | torch.Tensor
+]:
     """The checks and the backend shared by the fused-linear entry points: (hidden, weight and bias gathered when
-    they are DTensors, ids, the tile backend or its vocabulary shard, the full vocabulary size). The ids' range is
-    checked by the caller, against that full vocabulary, within its one host sync."""
+    they are DTensors, ids, the tile backend or its vocabulary shard, the full vocabulary size: an int, or the 0-d
+    tensor of `shard_offset`). The ids' range is the caller's to check, against that full vocabulary."""
     check_group("vocab_parallel_group", vocab_parallel_group)
     weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
@@ -111,6 +113,7 @@ def fused_linear_log_softmax(
     bias: torch.Tensor | None = None,
     vocab_parallel_group: Any = None,
     backend: str = "auto",
+    check_inputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token and the entropy of each row of logits = (hidden @ weight.T + bias) / τ,
     without a (B·T, V) tensor: the per-token layer for trainers that build their own loss from ℓ and H.
@@ -118,15 +121,17 @@ def fused_linear_log_softmax(
     The vocabulary is streamed in tiles exactly as in `fused_linear_grpo_loss`: pass 1 (the forward) folds fp32
     logit tiles into online statistics; pass 2 (the backward) recomputes each tile and accumulates ∂hidden,
     ∂weight and ∂bias in fp32 from the upstream gradients of ℓ and H. Rows whose two upstream gradients are both
-    exactly 0 skip pass 2 (they add exactly 0). Extra memory: O(B·T·H + one tile); hidden, weight and bias are kept
-    for the backward (not copied).
+    exactly 0 add exactly 0, whatever their hidden states hold. Extra memory: O(B·T·H + one tile); hidden, weight and
+    bias are kept for the backward (not copied).
 
     Args:
         hidden: [B, T, H] float32/bfloat16/float16/float64 (float64: the torch tiles, in float64).
         weight: [V, H] the lm_head (or tied embedding) weight, same dtype and device as hidden; a DTensor (FSDP2
             `fully_shard`) is gathered and its gradient reduce-scattered back, as in `fused_linear_grpo_loss`; the
             gathered weight is held until the backward.
-        completion_ids: [B, T] int32/int64 in [0, V) (already shifted: hidden[b, t] scores completion_ids[b, t]).
+        completion_ids: [B, T] int32/int64 in [0, V) (already shifted: hidden[b, t] scores completion_ids[b, t]). An
+            id outside that range is never read out of bounds: its token's ℓ and H are NaN, and so is the gradient
+            its upstream gradients reach (all of ∂weight and ∂bias, its row of ∂hidden).
         temperature: τ > 0.
         bias: [V] or None.
         vocab_parallel_group: the lm_head rows are sharded over this group (weight and bias are this rank's
@@ -134,6 +139,7 @@ def fused_linear_log_softmax(
             full vocabulary; the backward all-reduces the fp32 ∂hidden over the group, so every rank must call it
             with the same upstream gradients.
         backend: "auto" (Triton folds on CUDA, torch tiles elsewhere), "triton" or "torch".
+        check_inputs: raise a ValueError for an id outside [0, V) instead (one host sync).
     Returns:
         (logp, entropy), each [B, T] float32 (float64 for float64 inputs), both differentiable w.r.t. hidden,
         weight and bias.
@@ -144,12 +150,15 @@ def fused_linear_log_softmax(
         >>> logp, entropy = fused_linear_log_softmax(hidden, lm_head.weight, torch.randint(0, 50, (2, 5)))
         >>> (logp.sum() + 0.01 * entropy.sum()).backward()
     """
-    temperature = LossConfig(temperature=temperature).temperature
+    checked = LossConfig(temperature=temperature, check_inputs=check_inputs)
     hidden, weight, bias, ids, rows, vocab = _prepare(
         hidden, weight, bias, completion_ids, backend, vocab_parallel_group
     )
-    check_ids_range(ids, vocab)
-    return _FusedLinearLogSoftmax.apply(hidden, weight, bias, ids, temperature, rows)
+    if checked.check_inputs:
+        check_ids_range(ids, vocab)
+    guard = value_guard(ids, vocab)
+    logp, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, bias, guard.ids, checked.temperature, rows)
+    return guard.tokens(logp), guard.tokens(entropy)
 
 
 class _FusedLinearGRPOFunction(torch.autograd.Function):
@@ -184,9 +193,9 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
                 "first backward (use retain_graph only with a fresh call)"
             )
         ctx.grads = None
-        scale = float(grad_loss)  # applied in fp32 (opmath), not rounded to the gradients' dtype first
-        if scale != 1.0:
-            grads = tuple(None if x is None else x.mul_(scale) for x in grads)
+        for x in grads:
+            if x is not None:
+                scale_(x, grad_loss)  # on the device, in fp32 (opmath): not rounded to the gradients' dtype first
         return (*grads, None, None, None, None, None, None)
 
 
@@ -215,7 +224,8 @@ def fused_linear_grpo_loss(
     logsumexp), once, after the float64 objective gives each token's gradient coefficients, to accumulate the
     gradients of hidden, weight and bias in fp32. Extra memory is O(B·T·H + one tile); both passes run in the
     forward and the backward only scales. Exact: every token and vocabulary entry contributes, nothing is filtered
-    (tokens whose gradient coefficients are exactly 0, such as padding, skip the second pass: they add exactly 0).
+    (tokens whose gradient coefficients are exactly 0, such as padding, add exactly 0, whatever their hidden
+    states hold).
     The logits are formed in fp32 from the inputs' values (more exact than materialized bf16 logits); on CUDA the
     logits' gradient is rounded to the inputs' dtype before the two gradient GEMMs, as materialized ∂logits are.
     An enclosing autocast is not applied: hidden and weight must share a dtype.
@@ -225,7 +235,8 @@ def fused_linear_grpo_loss(
             outputs are then float64), the final hidden states that score `completion_ids` (already
             shifted); strided views such as `last_hidden_state[:, -T-1:-1]` are read in place, never copied.
         weight: [V, H] the lm_head (or tied embedding) weight, same dtype and device as hidden.
-        completion_ids: [B, T] int32/int64 in [0, V).
+        completion_ids: [B, T] int32/int64 in [0, V) (outside it: as in `grpo_loss`, NaN results, no read out of
+            bounds).
         advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp, config,
             **options: exactly as in `grpo_loss` (all eight loss types and every option).
         bias: [V] or None, the lm_head bias.
@@ -264,8 +275,14 @@ def fused_linear_grpo_loss(
         advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
         beta=cfg.beta, data_group=data_group,
     )  # fmt: skip
-    check_values(ids, vocab, inp, check_inputs=cfg.check_inputs, beta=cfg.beta)  # one host sync
+    if cfg.check_inputs:
+        check_values(ids, vocab, inp, beta=cfg.beta)  # the call's one host sync
+    guard = value_guard(ids, vocab, inp)  # on the device: in-range ids, NaN results for invalid values
     weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call
     metrics: dict[str, torch.Tensor] = {}
-    loss, logp, entropy = _FusedLinearGRPOFunction.apply(hidden, weight, bias, cfg, rows, inp, weights, ids, metrics)
-    return GRPOOutput(loss=loss, logp=logp, entropy=entropy, metrics=metrics)
+    loss, logp, entropy = _FusedLinearGRPOFunction.apply(
+        hidden, weight, bias, cfg, rows, inp, weights, guard.ids, metrics
+    )
+    return GRPOOutput(
+        loss=loss * guard.call, logp=guard.tokens(logp), entropy=guard.tokens(entropy), metrics=guard.scalars(metrics)
+    )

@@ -43,7 +43,7 @@ def absent(mask: torch.Tensor, x: torch.Tensor, fill) -> torch.Tensor:
 def dapo_normalizer(mask: torch.Tensor, cfg: LossConfig, group=None) -> torch.Tensor:
     """max(N, 1) / P, N = num_items_in_batch (default: active tokens on all ranks), P = world size."""
     if cfg.num_items_in_batch is not None:
-        n = torch.tensor(cfg.num_items_in_batch, dtype=torch.float64, device=mask.device)
+        n = mask.new_full((), cfg.num_items_in_batch, dtype=torch.float64)  # a fill, not a copy from the host
     else:
         n = all_reduce_sum(mask.sum(), group)
     return n.clamp(min=1.0) / world_size(group)
@@ -239,7 +239,7 @@ def _global_means(
     sums = []
     for name, x in values.items():
         if name in per_sequence:
-            sums += [x.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)]
+            sums += [x.sum(), x.new_full((), float(x.shape[0]))]
         else:
             sums += [(x * mask).sum(), mask.sum()]
     totals = all_reduce_sum(torch.stack(sums).double(), group)

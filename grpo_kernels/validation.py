@@ -1,12 +1,15 @@
 """The tensor checks of the public functions: run once, at the boundary, so that nothing below re-checks.
 
-`grpo_loss`, `selective_log_softmax` and `fused_linear_grpo_loss` call these; each raises a TypeError/ValueError
-that names the argument, what was expected and what came.
+`grpo_loss`, `selective_log_softmax` and the fused-linear functions call these. Shapes, dtypes and devices are known
+to the host and raise a TypeError/ValueError that names the argument, what was expected and what came. Values are
+not: `check_values` (check_inputs=True) reads its findings back once and raises the same way; without it,
+`value_guard` keeps every value check on the device (no host read) and turns a bad value into NaN results.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,7 +60,8 @@ def check_logits(logits: Any) -> torch.Tensor:
 
 
 def check_ids(ids: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """Shape and dtype; the value range is `check_ids_range`, run where the vocabulary size is known."""
+    """Shape and dtype; the value range, where the vocabulary size is known: on the device (`value_guard`), or read
+    back with check_inputs=True (`check_values`, `check_ids_range`)."""
     ids = check_tensor("completion_ids", ids, ((batch, length),), device)
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"completion_ids must be int32/int64, got {ids.dtype}")
@@ -119,21 +123,73 @@ def _position(index: int, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _on_active(x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """`active` [B, T] as the mask of `x`: per sequence ([B, 1]: any active token) or per token."""
+    return active.any(-1, keepdim=True) if x.shape[-1] == 1 and active.shape[-1] != 1 else active
+
+
+def _mask_is_not_zero_one(mask: torch.Tensor) -> torch.Tensor:
+    return (mask != 0) & (mask != 1)  # NaN too
+
+
+def _negative_ratio(inp: TokenInputs) -> torch.Tensor | None:
+    return None if inp.is_ratio is None else (inp.is_ratio < 0) & _on_active(inp.is_ratio, inp.mask != 0)
+
+
+class ValueGuard(NamedTuple):
+    """The value checks of a call kept on the device (check_inputs=False): nothing is read back, nothing raises.
+
+    Multiplying by these factors changes no number of a valid call (x·1 = x); an invalid one gives NaN results:
+    - `ids`: the ids with each one outside [0, vocab) replaced by 0, so no kernel reads outside a row;
+    - `per_token`: [B, T] float32, NaN at a token whose id was outside [0, vocab), else 1 (for its ℓ and H);
+    - `call`: 0-d float32, NaN when any id was outside [0, vocab), the mask held a value other than 0 and 1 or
+      ρ < 0 at an active token, else 1: for the loss and its metrics, and through autograd every gradient.
+    """
+
+    ids: torch.Tensor
+    per_token: torch.Tensor
+    call: torch.Tensor
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.per_token
+
+    def scalars(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: value * self.call for name, value in metrics.items()}
+
+
+def _nan_where(bad: torch.Tensor) -> torch.Tensor:
+    """float32 ones of `bad`'s shape, NaN where `bad` holds."""
+    return torch.ones(bad.shape, dtype=torch.float32, device=bad.device).masked_fill_(bad, math.nan)
+
+
+def value_guard(ids: torch.Tensor, vocab: int | torch.Tensor, inp: TokenInputs | None = None) -> ValueGuard:
+    """The `ValueGuard` of a call: ids against `vocab` (an int, or a 0-d tensor: the full vocabulary of a sharded
+    one), and with `inp` the 0/1 mask and ρ >= 0 at active tokens. O(B·T) device work, no host read."""
+    bad_ids = (ids < 0) | (ids >= vocab)
+    invalid = bad_ids.any()
+    if inp is not None:
+        invalid = invalid | _mask_is_not_zero_one(inp.mask).any()
+        negative = _negative_ratio(inp)
+        if negative is not None:
+            invalid = invalid | negative.any()
+    return ValueGuard(ids=ids.masked_fill(bad_ids, 0), per_token=_nan_where(bad_ids), call=_nan_where(invalid))
+
+
 def check_values(
     ids: torch.Tensor,
-    vocab: int,
+    vocab: int | torch.Tensor,
     inp: TokenInputs,
     *,
-    check_inputs: bool = False,
     beta: float = 0.0,
     logits: torch.Tensor | None = None,
     logits_are_shard: bool = False,
 ) -> None:
-    """The value checks of a call, with one host sync for all of them: ids in [0, vocab), a 0/1 completion mask,
-    ρ >= 0 at active tokens; with `check_inputs`, also every active token's advantage, ℓ_old, ℓ_ref (when β != 0),
-    ρ and (when given) logits row finite (for the logits: no NaN, no +inf, not all −inf; an O(B·T·V) pass). Masked
+    """The value checks of check_inputs=True, with one host sync for all of them: ids in [0, vocab), a 0/1
+    completion mask, ρ >= 0 at active tokens, and every active token's advantage, ℓ_old, ℓ_ref (when β != 0), ρ and
+    (when given) logits row finite (for the logits: no NaN, no +inf, not all −inf; an O(B·T·V) pass). Masked
     tokens may hold anything: they are absent from the loss. `sampling_logp` is not checked: NaN and ±inf there are
-    defined (the off-policy mask reads NaN as 0, as TRL)."""
+    defined (the off-policy mask reads NaN as 0, as TRL). `vocab`: an int, or the 0-d tensor of a sharded one."""
+    vocab = int(vocab)  # (a tensor: the full vocabulary of a shard, read back here, with check_inputs)
     mask = inp.mask
     active = mask != 0
     lo, hi = torch.aminmax(ids)
@@ -142,27 +198,24 @@ def check_values(
     def add(name: str, bad: torch.Tensor) -> None:
         found.append((name, tuple(bad.shape), _first(bad)))
 
-    def on_active(x: torch.Tensor) -> torch.Tensor:
-        return active.any(-1, keepdim=True) if x.shape[-1] == 1 and active.shape[-1] != 1 else active
-
-    add("completion_mask", (mask != 0) & (mask != 1))
-    if inp.is_ratio is not None:
-        add("negative ratio", (inp.is_ratio < 0) & on_active(inp.is_ratio))
-    if check_inputs:
-        finite_inputs = [
-            ("advantages", inp.advantages), ("old_logp", inp.old_logp), ("importance_sampling_ratio", inp.is_ratio)
-        ]
-        if beta != 0.0:
-            finite_inputs.append(("ref_logp", inp.ref_logp))
-        for name, x in finite_inputs:
-            if x is not None:
-                add(name, ~torch.isfinite(x) & on_active(x))
-        if logits is not None:
-            top = logits.amax(-1)  # NaN propagates; +inf anywhere; −inf only for a row without any finite logit
-            bad = torch.isnan(top) | (top == torch.inf)
-            if not logits_are_shard:  # (a vocabulary shard may be all −inf: padded columns)
-                bad |= top == -torch.inf
-            add("logits", bad & active)
+    add("completion_mask", _mask_is_not_zero_one(mask))
+    negative = _negative_ratio(inp)
+    if negative is not None:
+        add("negative ratio", negative)
+    finite_inputs = [
+        ("advantages", inp.advantages), ("old_logp", inp.old_logp), ("importance_sampling_ratio", inp.is_ratio)
+    ]  # fmt: skip
+    if beta != 0.0:
+        finite_inputs.append(("ref_logp", inp.ref_logp))
+    for name, x in finite_inputs:
+        if x is not None:
+            add(name, ~torch.isfinite(x) & _on_active(x, active))
+    if logits is not None:
+        top = logits.amax(-1)  # NaN propagates; +inf anywhere; −inf only for a row without any finite logit
+        bad = torch.isnan(top) | (top == torch.inf)
+        if not logits_are_shard:  # (a vocabulary shard may be all −inf: padded columns)
+            bad |= top == -torch.inf
+        add("logits", bad & active)
     values = torch.stack([lo.long(), hi.long()] + [f[2] for f in found]).tolist()  # the one host sync
     lo_v, hi_v = values[0], values[1]
     if lo_v < 0 or hi_v >= vocab:
@@ -197,9 +250,9 @@ def check_values(
         )
 
 
-def check_ids_range(ids: torch.Tensor, vocab: int) -> None:
-    """O(B·T) range check of the ids, no pass over the logits; run eagerly (inside the op under torch.compile)."""
+def check_ids_range(ids: torch.Tensor, vocab: int | torch.Tensor) -> None:
+    """O(B·T) range check of the ids (check_inputs=True of the per-token layers), one host sync."""
     lo, hi = torch.aminmax(ids)
-    lo, hi = int(lo), int(hi)
+    lo, hi, vocab = int(lo), int(hi), int(vocab)
     if lo < 0 or hi >= vocab:
         raise ValueError(f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo}, {hi}]")

@@ -20,14 +20,17 @@ from .ops.linear_torch import RowStats
 from .ops.rows import FusedTokenGrad, LinearBackend, RowBackend, logp_from_sums
 
 
-def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
-    """(first vocabulary id of this rank's shard, full vocabulary size), shards in rank order."""
+def shard_offset(
+    local_vocab: int, group: dist.ProcessGroup, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first vocabulary id of this rank's shard, full vocabulary size), shards in rank order: 0-d int64 tensors on
+    the group's communication device, never read back by the host (ids are shifted on the device)."""
     where = comm_device(group, device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=where) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([local_vocab], dtype=torch.int64, device=where), group=group)
-    sizes = [int(s) for s in sizes]
+    dist.all_gather(sizes, torch.full((1,), local_vocab, dtype=torch.int64, device=where), group=group)
+    ends = torch.cat(sizes).cumsum(0)
     rank = dist.get_rank(group)
-    return sum(sizes[:rank]), sum(sizes)
+    return ends[rank] - sizes[rank][0], ends[-1]
 
 
 def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,17 +66,18 @@ def _merge_sums(
 
 
 class ShardBackend:
-    """A `RowBackend` over one contiguous vocabulary shard [offset, offset + V_rank) of a `vocab` vocabulary: `rows`
+    """A `RowBackend` over one contiguous vocabulary shard [offset, offset + V_rank) of the full vocabulary: `rows`
     (the logits backend of this rank) reduces the shard to partials, one all-gather merges them into the full
-    vocabulary's ℓ, H and row state, and `rows.row_grad` writes the shard's gradient with shard-local ids."""
+    vocabulary's ℓ, H and row state, and `rows.row_grad` writes the shard's gradient with shard-local ids. `offset`
+    is a 0-d tensor (`shard_offset`): the ids are made shard-local on the device."""
 
     fused_token_grad: FusedTokenGrad | None = None  # the merge needs every shard's statistics before any gradient
 
-    def __init__(self, group: dist.ProcessGroup, offset: int, vocab: int, rows: RowBackend) -> None:
-        self.group, self.offset, self.vocab, self.rows = group, offset, vocab, rows
+    def __init__(self, group: dist.ProcessGroup, offset: torch.Tensor, rows: RowBackend) -> None:
+        self.group, self.offset, self.rows = group, offset, rows
 
     def row_stats(self, logits, ids, temperature):
-        parts = self.rows.shard_partials(logits, ids, self.offset, temperature)
+        parts = self.rows.shard_partials(logits, ids - self.offset, 0, temperature)  # shard-local ids, offset 0
         gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(gathered, parts, group=self.group)
         return merge_partials(torch.stack(gathered), temperature)
@@ -98,7 +102,7 @@ def merge_row_stats(st: RowStats, group: dist.ProcessGroup) -> RowStats:
 class LinearShard:
     """The fused-linear backend interface (`stats`, `grads`) over one shard of the lm_head weight rows."""
 
-    def __init__(self, rows: LinearBackend, group: dist.ProcessGroup, offset: int) -> None:
+    def __init__(self, rows: LinearBackend, group: dist.ProcessGroup, offset: torch.Tensor) -> None:
         self.rows, self.group, self.offset = rows, group, offset
 
     def stats(self, hidden, weight, bias, ids, temperature):

@@ -217,7 +217,7 @@ def test_half_precision(dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("masked", [False, True], ids=["dense", "masked"])  # pass 2 on the view / on a compact copy
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "masked"])  # every row in pass 2 / padded rows as zeros
 def test_strided_hidden_without_bias(backend, masked):
     # hidden = last_hidden[:, P-1:-1] cannot be flattened without a copy: the row blocks follow each sequence.
     hidden, weight, _, ids, tensors = make_inputs(extras=("old",), bias=False)
@@ -227,7 +227,7 @@ def test_strided_hidden_without_bias(backend, masked):
     with pytest.raises(RuntimeError):
         view.view(-1, H)
     if not masked:
-        tensors["completion_mask"] = None  # every row active: pass 2 reads the view itself, not a compact copy
+        tensors["completion_mask"] = None  # every row active
     options = dict(entropy_coef=0.03)
     out, *grads = run(view, weight, None, ids, tensors, options, 1.0, backend)
     assert grads[2] is None
@@ -273,6 +273,22 @@ def test_rows_without_gradient_are_skipped_exactly(backend):
     out, *grads = run(hidden, weight, bias, ids, tensors, {}, 1.0, backend)
     assert all(bool((x == 0).all()) for x in grads)
     torch.testing.assert_close(out.logp.double(), oracle(hidden, weight, bias, ids, tensors, {}, 1.0)[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_rows_are_absent_whatever_their_hidden_states_hold(backend):
+    # Pass 2 runs every row (skipping zero rows needs a host read); a masked row's NaN or inf hidden state must not
+    # reach ∂weight or ∂bias through 0·NaN, and its own ∂hidden row is exactly 0.
+    hidden, weight, bias, ids, tensors = make_inputs(extras=("old",))
+    poisoned = hidden.clone()
+    poisoned[2, 0], poisoned[1, 3, :5] = float("nan"), float("inf")  # masked: row 2 and (1, 2:)
+    out, *grads = run(poisoned, weight, bias, ids, tensors, {}, 1.0, backend)
+    ref = oracle(hidden, weight, bias, ids, tensors, {}, 1.0)
+    active = tensors["completion_mask"].bool()
+    assert out.logp[~active].isnan().any()  # ℓ and H are outputs for every row: those of the poisoned rows are NaN
+    out.logp, out.entropy = (torch.where(active, x, r.float()) for x, r in ((out.logp, ref[1]), (out.entropy, ref[2])))
+    assert_fp32_close(out, grads, ref)
+    assert (grads[0][2] == 0).all() and (grads[0][1, 2:] == 0).all()
 
 
 def test_no_grad_gives_log_probs_only():
@@ -384,7 +400,7 @@ BAD = [
     (dict(weight=[[0.0] * 8]), TypeError, "weight must be a torch.Tensor"),
     (dict(bias=torch.randn(10)), ValueError, "bias must have shape (11,)"),
     (dict(bias=torch.ones(11, dtype=torch.long)), TypeError, "bias must be a floating-point"),
-    (dict(completion_ids=torch.full((2, 3), 11)), ValueError, "completion_ids must lie in [0, 11)"),
+    (dict(completion_ids=torch.full((2, 3), 11), check_inputs=True), ValueError, "completion_ids must lie in [0, 11)"),
     (dict(advantages=torch.randn(3)), ValueError, "advantages must have shape"),
     (dict(beta=0.1), ValueError, "ref_logp is required when beta != 0"),
     (dict(inplace_backward=True), TypeError, "unknown option(s) ['inplace_backward']"),

@@ -166,12 +166,12 @@ def _ids_rank(rank: int, world: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         w = torch.randn(5, 4)  # 10 ids over the 2 shards: 7 is valid on every rank, 10 on none
-        call = lambda ids: fused_linear_grpo_loss(
-            torch.randn(1, 2, 4), w, torch.tensor([ids]), torch.ones(1), vocab_parallel_group=dist.group.WORLD
+        call = lambda ids, **check: fused_linear_grpo_loss(
+            torch.randn(1, 2, 4), w, torch.tensor([ids]), torch.ones(1), vocab_parallel_group=dist.group.WORLD, **check
         )
-        assert torch.isfinite(call([7, 0]).loss)
+        assert torch.isfinite(call([7, 0]).loss) and torch.isnan(call([10, 0]).loss)  # off: NaN, no host read
         try:
-            call([10, 0])
+            call([10, 0], check_inputs=True)
             verdict = "accepted an id outside the full vocabulary"
         except ValueError as err:
             verdict = "ok" if "completion_ids" in str(err) else str(err)

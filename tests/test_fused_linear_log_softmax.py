@@ -130,7 +130,7 @@ def test_never_materializes_the_logits(monkeypatch):
     [
         (dict(weight=torch.randn(V, H + 1)), ValueError, "weight must have shape"),
         (dict(weight=torch.randn(V, H, dtype=torch.float64)), TypeError, "weight and hidden must have the same dtype"),
-        (dict(ids=torch.full((B, T), V)), ValueError, "completion_ids must lie in"),
+        (dict(ids=torch.full((B, T), V), check_inputs=True), ValueError, "completion_ids must lie in"),
         (dict(temperature=0.0), ValueError, "temperature must be > 0"),
         (dict(bias=torch.randn(V + 1)), ValueError, "bias must have shape"),
     ],

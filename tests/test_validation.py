@@ -1,9 +1,21 @@
 """Bad input gets a clear error naming the argument, never a crash or a silent wrong number."""
 
+import re
+
 import pytest
 import torch
 
-from grpo_kernels import GRPOLoss, LossConfig, fused_linear_grpo_loss, grpo_loss, group_advantages, selective_log_softmax
+from grpo_kernels import (
+    GRPOLoss,
+    LossConfig,
+    fused_linear_grpo_loss,
+    fused_linear_log_softmax,
+    group_advantages,
+    grpo_loss,
+    selective_log_softmax,
+)
+
+from .conftest import HAS_TRITON_DEVICE
 
 B, T, V = 2, 3, 5
 
@@ -30,8 +42,6 @@ CASES = [
     (dict(logits=torch.randn(B, V, T).transpose(1, 2)), ValueError, "unit stride"),
     (dict(logits=torch.randn(0, T, V)), ValueError, "B, T, V >= 1"),
     (dict(completion_ids=torch.randint(0, V, (B, T)).float()), TypeError, "completion_ids must be int32/int64"),
-    (dict(completion_ids=torch.full((B, T), V)), ValueError, "completion_ids must lie in [0, 5)"),
-    (dict(completion_ids=torch.full((B, T), -1)), ValueError, "completion_ids must lie in"),
     (dict(completion_ids=torch.zeros(B, T + 1, dtype=torch.long)), ValueError, "completion_ids must have shape"),
     (dict(advantages=torch.randn(B, T, 1)), ValueError, "advantages must have shape"),
     (dict(advantages=torch.ones(B, dtype=torch.long)), TypeError, "advantages must be a floating-point"),
@@ -53,11 +63,7 @@ CASES = [
     (dict(inplace_backward=1), TypeError, "inplace_backward must be a bool"),
     (dict(config={"loss_type": "dapo"}), TypeError, "config must be a LossConfig or None, got dict"),
     (dict(config=LossConfig(), beta="0.1"), TypeError, "beta must be a real number"),  # options over a config
-    # Meaning, not only shape:
-    (dict(completion_mask=torch.full((B, T), -1.0)), ValueError, "completion_mask must hold only 0 and 1"),
-    (dict(completion_mask=torch.full((B, T), 2, dtype=torch.long)), ValueError, "got 2.0 at position (0, 0)"),
-    (dict(completion_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.5, 0.0]])), ValueError, "got 0.5 at position (1, 1)"),
-    (dict(completion_mask=torch.tensor([[1.0, float("nan"), 1.0]] * B)), ValueError, "completion_mask must hold only"),
+    # Meaning, not only shape (of the options; the tensors' values: VALUE_CASES below):
     (dict(delta=0.9), ValueError, "delta must be > 1"),
     (dict(delta=1.0), ValueError, "delta must be > 1"),
     (dict(beta=-0.01, ref_logp=torch.zeros(B, T)), ValueError, "beta must be >= 0"),
@@ -66,7 +72,6 @@ CASES = [
     (dict(loss_type="vespo", vespo_lambda_pos=0.0), ValueError, "vespo_lambda_pos must be > 0"),
     (dict(loss_type="vespo", vespo_lambda_neg=-2.0), ValueError, "vespo_lambda_neg must be > 0"),
     (dict(off_policy_mask_threshold=-0.1), ValueError, "off_policy_mask_threshold must be >= 0"),
-    (dict(importance_sampling_ratio=torch.tensor([1.0, -0.5])), ValueError, "importance_sampling_ratio must be >= 0, got -0.5 at position (1, 0)"),
     (dict(temperature=1e-39), ValueError, "1/temperature is finite in float32"),
     (dict(check_inputs=1), TypeError, "check_inputs must be a bool"),
 ]
@@ -74,8 +79,32 @@ CASES = [
 
 @pytest.mark.parametrize("changes,error,fragment", CASES, ids=[c[2][:40] for c in CASES])
 def test_bad_input_names_the_argument(changes, error, fragment):
-    with pytest.raises(error, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(error, match=re.escape(fragment)):
         call(**changes)
+
+
+# The tensors' values are on the device: check_inputs=True reads the checks' findings back (one host sync) and
+# raises naming the argument; off (the default), nothing is read back and the call's results are NaN instead.
+VALUE_CASES = [
+    ({"completion_ids": torch.full((B, T), V)}, "completion_ids must lie in [0, 5) (the logits' vocabulary), got"),
+    ({"completion_ids": torch.full((B, T), -1)}, "completion_ids must lie in"),
+    ({"completion_mask": torch.full((B, T), -1.0)}, "completion_mask must hold only 0 and 1"),
+    ({"completion_mask": torch.full((B, T), 2, dtype=torch.long)}, "got 2.0 at position (0, 0)"),
+    ({"completion_mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.5, 0.0]])}, "got 0.5 at position (1, 1)"),
+    ({"completion_mask": torch.tensor([[1.0, float("nan"), 1.0]] * B)}, "completion_mask must hold only"),
+    ({"importance_sampling_ratio": torch.tensor([1.0, -0.5])}, "importance_sampling_ratio must be >= 0, got -0.5 at"),
+]
+
+
+@pytest.mark.parametrize("changes,fragment", VALUE_CASES, ids=[c[1][:40] for c in VALUE_CASES])
+def test_bad_values_name_the_argument_with_check_inputs(changes, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        call(**changes, check_inputs=True)
+    kwargs = {**good(), **changes}
+    x = kwargs.pop("logits").requires_grad_(True)
+    out = grpo_loss(x, **kwargs, backend="torch")  # off: NaN, not a wrong number
+    out.loss.backward()
+    assert out.loss.isnan() and x.grad.isnan().all() and all(m.isnan() for m in out.metrics.values())
 
 
 def test_unknown_backend():
@@ -129,7 +158,9 @@ def test_fused_linear_options_are_checked_once_by_name():
 
 def test_selective_log_softmax_validates():
     with pytest.raises(ValueError, match="completion_ids must lie in"):
-        selective_log_softmax(torch.randn(1, 2, 3), torch.tensor([[0, 3]]))
+        selective_log_softmax(torch.randn(1, 2, 3), torch.tensor([[0, 3]]), check_inputs=True)
+    with pytest.raises(TypeError, match="check_inputs must be a bool"):
+        selective_log_softmax(torch.randn(1, 2, 3), torch.tensor([[0, 1]]), check_inputs="yes")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         selective_log_softmax(torch.randn(1, 2, 3), torch.tensor([[0, 1]]), temperature=-1.0)
 
@@ -236,3 +267,70 @@ def test_process_group_arguments_are_checked_by_name(loss_fn, name):
     # this test process has no process group: a group argument cannot be honoured, and must not be ignored
     with pytest.raises(ValueError, match=f"{name} was given but torch.distributed is not initialized"):
         call(object())
+
+
+class _IdsSpy:
+    """A row or tile backend that records the range of every ids tensor it is handed, then runs the real one."""
+
+    def __init__(self, rows, seen: list[tuple[int, int]]):
+        self.rows, self.seen = rows, seen
+        if getattr(rows, "fused_token_grad", None) is None:
+            self.fused_token_grad = None
+
+    def __getattr__(self, name):
+        real = getattr(self.rows, name)
+
+        def spied(*args, **kwargs):
+            ids = next(a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point())
+            self.seen.append((int(ids.min()), int(ids.max())))
+            return real(*args, **kwargs)
+
+        return spied
+
+
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="no Triton"))
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_out_of_range_ids_never_reach_a_kernel_and_give_nan(backend, monkeypatch):
+    """check_inputs=False: an id outside [0, V) is replaced by 0 before any kernel sees it (no read out of bounds),
+    its token's ℓ and H are NaN, and so are the loss, the metrics and the gradient."""
+    import grpo_kernels.api
+    import grpo_kernels.fused_linear
+
+    seen: list[tuple[int, int]] = []
+    pick, pick_linear = grpo_kernels.api.pick_backend, grpo_kernels.fused_linear.pick_linear_backend
+    monkeypatch.setattr(grpo_kernels.api, "pick_backend", lambda *a: _IdsSpy(pick(*a), seen))
+    monkeypatch.setattr(grpo_kernels.fused_linear, "pick_linear_backend", lambda *a: _IdsSpy(pick_linear(*a), seen))
+    kwargs = good()
+    ids = kwargs["completion_ids"].clone()
+    ids[0, 1], ids[1, 2] = V, -1  # (1, 2) is masked: masked or not, an id out of range makes the call NaN
+    bad = torch.zeros(B, T, dtype=torch.bool)
+    bad[0, 1] = bad[1, 2] = True
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    hidden, weight = torch.randn(B, T, 4), torch.randn(V, 4)
+    schedules = (("fused", {"beta": 0.1}), ("two-pass", {"importance_sampling_level": "sequence"}), ("none", {}))
+    for name, options in schedules:
+        x = kwargs["logits"].clone().requires_grad_(True)
+        reduction = "none" if name == "none" else "loss_type"
+        out = grpo_loss(x, ids, kwargs["advantages"], mask, ref_logp=torch.zeros(B, T), backend=backend,
+                        reduction=reduction, **options)  # fmt: skip
+        out.loss.sum().backward()
+        rows = x.grad if name != "none" else x.grad[mask.bool()]  # per token: a masked token's gradient is 0
+        assert out.loss.isnan().all() and rows.isnan().all(), name
+        assert all(m.isnan() for m in out.metrics.values()), name
+        assert torch.equal(out.logp.isnan(), bad) and torch.equal(out.entropy.isnan(), bad), name
+    x = kwargs["logits"].clone().requires_grad_(True)
+    logp, entropy = selective_log_softmax(x, ids, backend=backend)
+    (logp.nan_to_num() + entropy.nan_to_num()).sum().backward()  # a caller that drops the NaN: its rows stay NaN
+    assert torch.equal(logp.isnan(), bad) and torch.equal(entropy.isnan(), bad)
+    assert torch.equal(x.grad.isnan().all(-1), bad) and x.grad[~bad].isfinite().all()
+    h = hidden.clone().requires_grad_(True)
+    out = fused_linear_grpo_loss(h, weight, ids, kwargs["advantages"], mask, backend=backend)
+    out.loss.backward()
+    assert out.loss.isnan() and h.grad.isnan().all() and torch.equal(out.logp.isnan(), bad)
+    h = hidden.clone().requires_grad_(True)
+    logp, entropy = fused_linear_log_softmax(h, weight, ids, backend=backend)
+    (logp.nan_to_num() - entropy.nan_to_num()).sum().backward()
+    assert torch.equal(logp.isnan(), bad) and torch.equal(h.grad.isnan().all(-1), bad)
+    assert seen and all(0 <= lo and hi < V for lo, hi in seen), seen

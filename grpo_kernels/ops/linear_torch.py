@@ -10,7 +10,8 @@ statistics (running max m, Σ e^{z−m}, Σ e^{z−m}·(z−m), the target's z) 
 Pass 2 (`grads`), once g = ∂loss/∂ℓ and h = ∂loss/∂H are known per row: recompute each tile, form
 dz = (g·(onehot − p) − h·p·(z − Σp·z)) / τ and accumulate ∂x += dz @ W_tile, ∂W_tile = dzᵀ @ x, ∂b_tile = Σ_rows dz,
 all in fp32 (float64 for float64 hidden and weight). The vocabulary is the outer loop so that ∂W needs only a
-[V_tile, H] fp32 accumulator; ∂x needs a [B·T, H] one (the size of hidden itself). Rows with g = h = 0 (padding, zero advantages) are left out of pass 2.
+[V_tile, H] fp32 accumulator; ∂x needs a [B·T, H] one (the size of hidden itself). Rows with g = h = 0 (padding, zero
+advantages) enter pass 2 as zeros (their count would need a host read): they add exactly 0.
 """
 
 from __future__ import annotations
@@ -226,44 +227,20 @@ def run_grads(
     rounded to before its two GEMMs (fp32 here; the inputs' dtype on CUDA, for the tensor cores). `reduce_dx` sums
     the fp32 ∂hidden over vocabulary shards in place, before it is rounded to hidden's dtype.
 
-    A row whose g and h are both exactly 0 (a padded token; a zero advantage without KL) has dz = 0 exactly and adds
-    nothing to any gradient, so when there are such rows pass 2 runs on a compact copy of the others only (their
-    hidden states: at most B·T·H elements) and skips their three GEMMs. The result is the same; only the work shrinks.
+    A row whose g and h are both exactly 0 (a padded token; a zero advantage without KL) adds exactly 0 to every
+    gradient. How many there are is not known without reading it back to the host, so every row goes through the
+    GEMMs; such a row enters as hidden = 0 with lse = +inf, hence p = 0 and dz = 0 exactly (its ∂hidden row is 0),
+    whatever its hidden state and statistics hold (NaN at a padded position cannot reach ∂weight through 0·NaN).
+    That costs one copy of hidden (B·T·H), which also makes a strided view flat.
     """
-    batch, length, width = hidden.shape
-    active = g.reshape(-1) != 0  # NaN != 0: a NaN coefficient is kept and propagates
+    batch, length, _ = hidden.shape
+    active = g != 0  # NaN != 0: a NaN coefficient is kept and propagates
     if h is not None:
-        active |= h.reshape(-1) != 0
-    n_active = int(active.sum())  # the one host sync of pass 2
-    if n_active == batch * length:
-        plan = plan_tiles(batch * length, weight.shape[0], tile_elements, min_vocab_tile)
-        return _dense_grads(
-            hidden, weight, bias, ids, lse, entropy, g, h, temperature, needs, fold, grad_dtype, plan, reduce_dx
-        )
-    idx = active.nonzero().squeeze(1)
-    pick = lambda t: None if t is None else t.reshape(-1)[idx].unsqueeze(0)  # [1, n_active]
-    x = hidden[idx // length, idx % length].unsqueeze(0)  # [1, n_active, H], a copy of the active rows only
-    plan = plan_tiles(max(n_active, 1), weight.shape[0], tile_elements, min_vocab_tile)
-    dx, dw, db = _dense_grads(
-        x,
-        weight,
-        bias,
-        pick(ids),
-        pick(lse),
-        pick(entropy),
-        pick(g),
-        pick(h),
-        temperature,
-        needs,
-        fold,
-        grad_dtype,
-        plan,
-        reduce_dx,  # every shard has the same g, h, hence the same active rows in the same order
-    )
-    if dx is not None:
-        full = torch.zeros(batch * length, width, dtype=hidden.dtype, device=hidden.device)
-        dx = full.index_copy_(0, idx, dx.view(n_active, width)).view(batch, length, width)
-    return dx, dw, db
+        active = active | (h != 0)
+    x = torch.where(active.reshape(batch, length, 1), hidden, 0.0)
+    lse = torch.where(active.reshape(lse.shape), lse, torch.inf)
+    plan = plan_tiles(batch * length, weight.shape[0], tile_elements, min_vocab_tile)
+    return _dense_grads(x, weight, bias, ids, lse, entropy, g, h, temperature, needs, fold, grad_dtype, plan, reduce_dx)
 
 
 def _dense_grads(

@@ -22,9 +22,11 @@ If the measurement shows the round trip matters (small H), the fused kernel is t
 interface is where it would plug in.
 
 Expected time against materialized logits (3 GEMMs + the logits-path loss): the recompute makes it 4 GEMMs, so
-~1.3x on a batch where every token carries gradient; a 1.15x target then needs the pass-2 savings below. Pass 2 skips rows whose coefficients are exactly 0 (padding, zero-advantage groups without KL: often a third
-of a GRPO batch), and the ∂weight GEMM when the head is frozen (PEFT); pass 1 always covers every row, since ℓ and H
-are outputs.
+~1.3x. Pass 2 skips the ∂weight GEMM when the head is frozen (PEFT). It does not skip the rows whose coefficients are
+exactly 0 (padding, zero-advantage groups without KL: often a third of a GRPO batch): their count would have to be
+read back to the host, which drains the GPU queue and cannot be captured in a CUDA graph, so they go through the
+GEMMs as rows of zeros (linear_torch.run_grads). Skipping them would save up to that fraction of pass 2's three
+GEMMs; pass 1 always covers every row, since ℓ and H are outputs.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ Precision (docs/loss.md: fp32 results within 1e-5 of float64, bf16/fp16 gradient
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -35,6 +36,21 @@ from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
 
+
+def _tile_shape(block_v: int, elem_bytes: int) -> tuple[int, int]:
+    """(SLOTS, VEC) of a BLOCK_V tile (`_tile_offsets`): VEC logits in one 16-byte vector per slot. The ragged
+    tail of a row is scanned in quarter tiles (TAIL_SLOTS slots), so at most a quarter tile of work is wasted."""
+    vec = min(16 // elem_bytes, block_v)
+    return block_v // vec, vec
+
+
+_TILE_HEURISTICS = {
+    "SLOTS": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[0],
+    "VEC": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[1],
+    "TAIL_SLOTS": lambda a: max(1, a["SLOTS"] // 4),  # the ragged tail goes in quarter tiles
+}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Kernels
 
@@ -46,36 +62,105 @@ def _load_bt(p, i_b, i_t, stride_b, stride_t):
 
 
 @triton.jit
-def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _tile_offsets(SLOTS: tl.constexpr, VEC: tl.constexpr):
+    """Offsets of one tile as [SLOTS, VEC]: a slot's VEC consecutive logits are one 16-byte vector, held by one
+    thread (a thread holds SLOTS / threads slots). Reductions over axis 1 then stay inside the thread: per-slot
+    accumulators, and no shuffle or barrier in the tile loop (the slots are combined once per row)."""
+    return tl.arange(0, SLOTS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [SLOTS, VEC]
+
+
+@triton.jit
+def _is_offset(o, SLOTS: tl.constexpr, VEC: tl.constexpr):
+    """[SLOTS, VEC] mask of the one tile position `o` (an int scalar), from its (slot, element) coordinates, so
+    that no per-logit offset tensor stays live in registers across the tile loop."""
+    return (tl.arange(0, SLOTS)[:, None] == o // VEC) & (tl.arange(0, VEC)[None, :] == o % VEC)
+
+
+@triton.jit
+def _is_before(o, SLOTS: tl.constexpr, VEC: tl.constexpr):
+    """[SLOTS, VEC] mask of the tile positions before `o` (an int scalar), in the separable form
+    element < o − slot·VEC: VEC + SLOTS values per thread, not one index per logit held live."""
+    return tl.arange(0, VEC)[None, :] < o - tl.arange(0, SLOTS)[:, None] * VEC
+
+
+@triton.jit
+def _scan_tile(b_x, v0, y, shift, b_m, b_s, b_t, k2, BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+    """Fold one tile of fp32 logits [SLOTS, VEC] into the per-slot online (max m, Σe, Σe·z2), z2 relative to
+    the slot's own max. About 8 instructions per logit: no select outside the target's tile, no -inf guard per
+    logit (a NaN-propagating clamp of z2 at -256 instead: 2^-256 is 0 in fp32, so e·z2 is 0 where z2 is -inf)."""
+    if HEAD:  # noqa: SIM102 (a constexpr test, then a run-time one: `and` would make both run-time)
+        if v0 < shift:  # a HEAD row's first tile (or tail chunks) only: logits before the row are not the row's
+            # (shift − v0, not shift: a loop-invariant mask would be hoisted and held in registers across the loop)
+            b_x = tl.where(_is_before(shift - v0, SLOTS, VEC), float("-inf"), b_x)
+    if (y >= v0) & (y < v0 + BLOCK_V):  # the target's own tile only: its logit is left out of the sums
+        b_x = tl.where(_is_offset(y - v0, SLOTS, VEC), float("-inf"), b_x)
+    b_mn = tl.maximum(b_m, tl.max(b_x, 1))  # [SLOTS]
+    b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # a slot that has seen only -inf has no scale yet
+    # How far the slot's old sums sink under its new max; clamped so that a slot with empty sums (old max -inf)
+    # gets α = 0 and 0·d, never 0·(-inf).
+    b_d = tl.maximum((b_m - b_ref) * k2, -256.0)
+    b_a = tl.exp2(b_d)
+    b_t = b_a * (b_t + b_d * b_s)  # Σ α e (z2 + d) = α (t + d·s)
+    b_z = tl.maximum((b_x - b_ref[:, None]) * k2, -256.0, propagate_nan=tl.PropagateNan.ALL)
+    b_e = tl.exp2(b_z)
+    b_s = b_a * b_s + tl.sum(b_e, 1)  # a NaN logit reaches the sums here and propagates
+    b_t = b_t + tl.sum(b_e * b_z, 1)
+    return b_mn, b_s, b_t
+
+
+@triton.jit
+def _row_scan(
+    p_a,
+    y_a,
+    n,
+    shift,
+    k2,
+    BLOCK_V: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVICT: tl.constexpr,
+    HEAD: tl.constexpr,
+):
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
-    e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`)."""
-    x_y = tl.load(p_x + y).to(tl.float32)
-    # Start the running max at the target logit and mask the target lane out of the tiles: the sums below then
-    # run over v != y only, and the target is added back once at the end.
-    b_m = x_y
-    b_so = 0.0  # Σ_{v≠y} e, relative to the running max
-    b_to = 0.0  # Σ_{v≠y} e·z2
-    o_b = tl.arange(0, BLOCK_V)
-    # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline.
-    for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
-        # Offsets relative to the tile (o_b is loop invariant): the pipeliner then carries one scalar per stage,
-        # not a tensor of pointers and masks.
-        # evict_last: pass 2 re-reads this row right away; keep it in L2.
-        b_x = tl.load(p_x + v0 + o_b, mask=o_b < V - v0, other=float("-inf"), eviction_policy="evict_last")
-        b_x = tl.where(o_b == y - v0, float("-inf"), b_x.to(tl.float32))  # [BLOCK_V]
-        b_m_new = tl.maximum(b_m, tl.max(b_x, 0))
-        # A row that is -inf so far (leading padded tiles) has no scale yet; any finite reference does.
-        b_mx = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_z = (b_x - b_mx) * k2  # [BLOCK_V]
-        b_e = tl.exp2(b_z)
-        b_d = (b_m - b_mx) * k2  # <= 0: how far the old sums sink under the new max
-        b_alpha = tl.exp2(b_d)
-        # Rescale Σe·z2 to the new max: Σ α e (z2 + d) = α (t + d·s); α == 0 (old max -inf) would give 0·inf.
-        b_to = tl.where(b_alpha > 0, b_alpha * (b_to + b_d * b_so), 0.0)
-        b_to += tl.sum(b_e * tl.where(b_e > 0, b_z, 0.0), 0)  # −inf logits: e·z2 is 0, not 0·(−inf)
-        b_so = b_alpha * b_so + tl.sum(b_e, 0)  # a NaN logit reaches the sums here (not masked) and propagates
-        b_m = b_m_new
-    b_mx = tl.where(b_m == float("-inf"), 0.0, b_m)
+    e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`).
+    The row is [shift, n) from the aligned base `p_a` (see `_row_index`), its target at y_a. Full tiles load
+    unmasked; the ragged tail goes in masked quarter tiles after the loop. `EVICT`: the L2 policy of the loads
+    ("evict_last" when pass 2 re-reads the row right away)."""
+    x_y = tl.load(p_a + y_a).to(tl.float32)
+    o_b = _tile_offsets(SLOTS, VEC)
+    b_m = tl.full([SLOTS], float("-inf"), tl.float32)
+    b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its max
+    b_t = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e·z2 of the slot
+    v_full = n - n % BLOCK_V
+    # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline. A HEAD row's
+    # first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >= its start) and
+    # drops them in `_scan_tile`.
+    for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
+        b_x = tl.load(p_a + v0 + o_b, eviction_policy=EVICT).to(tl.float32)
+        b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
+    # The ragged tail in quarter tiles (masked), into accumulators of their own shape.
+    CHUNK: tl.constexpr = TAIL_SLOTS * VEC
+    o_c = _tile_offsets(TAIL_SLOTS, VEC)
+    b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
+    b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
+    b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
+    for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+        m_c = _is_before(n - c0, TAIL_SLOTS, VEC)
+        b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy=EVICT)
+        b_mc, b_sc, b_tc = _scan_tile(
+            b_xc.to(tl.float32), c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD
+        )
+    # The slots combined, once per row; the target joins the max here (its e is added back below).
+    b_mr = tl.maximum(tl.maximum(tl.max(b_m, 0), tl.max(b_mc, 0)), x_y)
+    b_mx = tl.where(b_mr == float("-inf"), 0.0, b_mr)
+    b_d = tl.maximum((b_m - b_mx) * k2, -256.0)
+    b_w = tl.exp2(b_d)
+    b_dc = tl.maximum((b_mc - b_mx) * k2, -256.0)
+    b_wc = tl.exp2(b_dc)
+    b_so = tl.sum(b_w * b_s, 0) + tl.sum(b_wc * b_sc, 0)  # Σ_{v≠y} e, relative to the row max
+    b_to = tl.sum(b_w * (b_t + b_d * b_s), 0) + tl.sum(b_wc * (b_tc + b_dc * b_sc), 0)  # Σ_{v≠y} e·z2
     b_zy = (x_y - b_mx) * k2
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
@@ -84,64 +169,120 @@ def _row_scan(p_x, y, V, k2, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
 
 
 @triton.jit
+def _grad_tile(b_x, v0, y, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+               SLOTS: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """∂logits of one tile, already divided by τ: p·(gn + hn·z2) with gn = (h·ln2·c2 − g)/τ and hn = −h·ln2/τ,
+    and the target's own value `b_dy` (a scalar of the row) in the target's tile only."""
+    b_u = b_x - b_mx
+    if HAS_ENT:
+        # Where p == 0 (z2 below -149, -inf padding) the centered term is p·(…) = 0, not 0·(−inf); NaN stays NaN.
+        b_z = tl.maximum(b_u * k2, -256.0, propagate_nan=tl.PropagateNan.ALL)
+        b_d = tl.exp2(b_z - b_log2s) * (b_gn + b_hn * b_z)
+    else:
+        b_d = tl.exp2(b_u * k2 - b_log2s) * b_gn
+    if (y >= v0) & (y < v0 + BLOCK_V):  # the target's own tile only
+        b_d = tl.where(_is_offset(y - v0, SLOTS, VEC), b_dy, b_d)
+    return b_d
+
+
+@triton.jit
 def _row_grad_store(
-    p_x,
-    p_o,
-    y,
-    V,
+    p_a,
+    p_oa,
+    y_a,
+    n,
+    shift,
     k2,
     inv_tau,
     b_mx,
     b_log2s,
+    b_zy,
     b_q,
     b_c2,
     b_g,
     b_h,
     HAS_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HEAD: tl.constexpr,
 ):
-    """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile. Each tile is read before it is
-    written, so `p_o` may point at the logits themselves. A row with g = h = 0 (a masked token) is stored as zeros
-    without reading its logits, so a NaN row stays out of the gradient (the RowBackend contract)."""
-    o_b = tl.arange(0, BLOCK_V)
+    """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile, over [shift, n) from the aligned
+    bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is read before it is written, so the out
+    may be the logits themselves. A row with g = h = 0 (a masked token) takes one uniform branch that stores zeros
+    without reading its logits, so a NaN row stays out of the gradient (the RowBackend contract). Loads and stores
+    stream past L2 (evict_first): nothing reads them again soon."""
+    o_b = _tile_offsets(SLOTS, VEC)
     b_live = b_g != 0.0
     if HAS_ENT:
         b_live = b_live | (b_h != 0.0)
-    b_hl = b_h * LN2  # h·(z' − c) = h·ln2·(z2 − c2)
-    V_read = tl.where(b_live, V, 0)  # a row with g = h = 0 is not read (its loads are masked off), stored as zeros
-    for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
-        m_v = o_b < V - v0  # tile-relative offsets, as in pass 1
-        b_x = tl.load(
-            p_x + v0 + o_b, mask=o_b < V_read - v0, other=float("-inf"), eviction_policy="evict_first"
-        ).to(tl.float32)
-        b_z = (b_x - b_mx) * k2  # [BLOCK_V], as in pass 1
-        b_p = tl.exp2(b_z - b_log2s)
+    v_full = n - n % BLOCK_V
+    CHUNK: tl.constexpr = TAIL_SLOTS * VEC  # the ragged tail in quarter tiles, as in `_row_scan`
+    o_c = _tile_offsets(TAIL_SLOTS, VEC)
+    if b_live:
+        b_hs = b_h * LN2 * inv_tau
+        b_gn = b_hs * b_c2 - b_g * inv_tau
+        b_hn = -b_hs
+        # The target: (g·q − h·p_y·(z'_y − Σpz'))/τ, with q = 1 − p_y exact from pass 1
+        b_dy = b_g * b_q * inv_tau
         if HAS_ENT:
-            # Where p == 0 (−inf padding) the centered term is p·(z' − c) = 0, not 0·(−inf); a NaN p stays NaN.
-            b_cz = b_hl * (tl.where(b_p > 0, b_z, b_c2) - b_c2)
-            b_d = tl.where(o_b == y - v0, b_g * b_q - b_p * b_cz, -b_p * (b_g + b_cz))
-        else:
-            b_d = tl.where(o_b == y - v0, b_g * b_q, -b_g * b_p)
-        b_d = tl.where(b_live, b_d, 0.0)
-        tl.store(p_o + v0 + o_b, (b_d * inv_tau).to(p_o.dtype.element_ty), mask=m_v)
+            b_zyc = tl.maximum(b_zy, -256.0, propagate_nan=tl.PropagateNan.ALL)
+            b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
+        for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
+            b_x = tl.load(p_a + v0 + o_b, eviction_policy="evict_first").to(tl.float32)
+            b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
+            _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
+        for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+            m_c = _is_before(n - c0, TAIL_SLOTS, VEC)
+            b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy="evict_first")
+            b_d = _grad_tile(
+                b_xc.to(tl.float32), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, CHUNK, TAIL_SLOTS, VEC
+            )
+            m_s = m_c & ~_is_before(shift - c0, TAIL_SLOTS, VEC)  # a HEAD row's head stays alone here too
+            tl.store(p_oa + c0 + o_c, b_d.to(p_oa.dtype.element_ty), mask=m_s, eviction_policy="evict_first")
+    else:
+        b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
+        for v0 in tl.range(0, v_full, BLOCK_V, num_stages=1):
+            _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
+        b_zc = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
+        for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+            m_s = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+            tl.store(p_oa + c0 + o_c, b_zc, mask=m_s, eviction_policy="evict_first")
 
 
 @triton.jit
-def _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED: tl.constexpr):
-    """(row, b, t, offset of the row's first logit), all int64."""
-    i_row = tl.cast(i_r, tl.int64)  # B·T·V exceeds 2^31
-    i_b = i_row // T
-    i_t = i_row % T
-    o_x = i_b * stride_xb + i_t * stride_xt
-    if ALIGNED:
-        o_x = tl.multiple_of(o_x, 16)  # lets the tile loads vectorize (strides are not specialized)
-    return i_row, i_b, i_t, o_x
+def _store_tile(p, b, v0, shift, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr):
+    """One full tile's streaming store; a HEAD row's first tile leaves the `shift` positions before the row alone."""
+    if HEAD:  # noqa: SIM102 (as in _scan_tile)
+        if v0 < shift:
+            tl.store(p, b, mask=~_is_before(shift - v0, SLOTS, VEC), eviction_policy="evict_first")
+        else:
+            tl.store(p, b, eviction_policy="evict_first")
+    else:
+        tl.store(p, b, eviction_policy="evict_first")
+
+
+@triton.jit
+def _row_index(i_r, T):
+    """(row, b, t), all int64 (B·T·V exceeds 2^31)."""
+    i_row = tl.cast(i_r, tl.int64)
+    return i_row, i_row // T, i_row % T
+
+
+# The tiles of a row at offset o start at o − shift, a multiple of 16 elements, so that their loads and stores
+# are 16-byte vectors (strides are not specialized: the multiple_of hint is ours). ALIGNED rows have shift 0; a
+# HEAD row (a vocabulary that is no multiple of 16, V = 50257) starts `shift` elements into its first tile, which
+# is masked; otherwise (neither) the loads are scalar. Written out in each kernel: the hint does not survive a
+# helper's return.
 
 
 @triton.heuristics(
     {
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"]),
+        "HEAD": lambda a: _realigns(a, "x_ptr"),
+        **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
     }
@@ -165,12 +306,26 @@ def row_stats_fwd_kernel(
     inv_tau_lo,  # 1/τ − fp32(1/τ): with inv_tau, 1/τ to about 48 bits for the fp64 ℓ
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HEAD: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
-        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
+        i_row, i_b, i_t = _row_index(i_r, T)
+        o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
+        shift = 0
+        o_a = o_x
+        if ALIGNED:
+            o_a = tl.multiple_of(o_x, 16)
+        if HEAD:
+            shift = (o_x % 16).to(tl.int32)  # int32: the row's indices and masks stay 32-bit
+            o_a = tl.multiple_of(o_x - shift, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        b_mx, b_log2s, b_zy, b_q, b_c2, b_so = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
+        b_mx, b_log2s, _, b_q, b_c2, b_so = _row_scan(
+            x_ptr + o_a, y + shift, V + shift, shift, k2, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, "evict_first", HEAD
+        )  # read once
         tl.store(logp_ptr + i_row, _exact_logp(x_ptr + o_x, y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         p_s = state_ptr + i_row * 4
@@ -184,6 +339,8 @@ def row_stats_fwd_kernel(
     {
         "HAS_ENT": lambda a: a["h_ptr"] is not None,
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
+        "HEAD": lambda a: _realigns(a, "x_ptr", "out_ptr"),
+        **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
     }
@@ -219,13 +376,27 @@ def row_stats_bwd_kernel(
     HAS_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HEAD: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
-        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
-        o_o = i_b * stride_ob + i_t * stride_ot
+        i_row, i_b, i_t = _row_index(i_r, T)
+        o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
+        shift = 0
+        o_a = o_x
         if ALIGNED:
-            o_o = tl.multiple_of(o_o, 16)
+            o_a = tl.multiple_of(o_x, 16)
+        if HEAD:
+            shift = (o_x % 16).to(tl.int32)  # int32: the row's indices and masks stay 32-bit
+            o_a = tl.multiple_of(o_x - shift, 16)
+        o_oa = i_b * stride_ob + i_t * stride_ot  # the same shift as the logits' (`_realigns`)
+        if ALIGNED:
+            o_oa = tl.multiple_of(o_oa, 16)
+        if HEAD:
+            o_oa = tl.multiple_of(o_oa - shift, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
         p_s = state_ptr + i_row * 4
         b_mx = tl.load(p_s)
@@ -234,17 +405,23 @@ def row_stats_bwd_kernel(
         b_c2 = tl.load(p_s + 3)
         b_g = _load_bt(g_ptr, i_b, i_t, stride_gb, stride_gt)
         b_h = 0.0
+        b_zy = 0.0
         if HAS_ENT:
             b_h = _load_bt(h_ptr, i_b, i_t, stride_hb, stride_ht)
+            # z2 of the target for its entropy term; a shard-local id outside [0, V) has none (p_y = 0)
+            b_xy = tl.load(x_ptr + o_x + y, mask=(y >= 0) & (y < V), other=float("-inf")).to(tl.float32)
+            b_zy = (b_xy - b_mx) * k2
         _row_grad_store(
-            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V,
-            NUM_STAGES,
+            x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
+            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD,
         )  # fmt: skip
 
 
 @triton.heuristics(
     {
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"]),
+        "HEAD": lambda a: _realigns(a, "x_ptr"),
+        **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
     }
@@ -265,16 +442,30 @@ def shard_partials_fwd_kernel(
     k2,
     BLOCK_V: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HEAD: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
-        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
+        i_row, i_b, i_t = _row_index(i_r, T)
+        o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
+        shift = 0
+        o_a = o_x
+        if ALIGNED:
+            o_a = tl.multiple_of(o_x, 16)
+        if HEAD:
+            shift = (o_x % 16).to(tl.int32)  # int32: the row's indices and masks stay 32-bit
+            o_a = tl.multiple_of(o_x - shift, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int64) - offset
         inside = (y >= 0) & (y < V)
         # A target outside the shard: scan with column 0 as a stand-in target. The scan's max, Σe and Σp·z2 cover
         # every column either way; only its ℓ and 1 − p_y refer to the target, and those are not used then.
         y_in = tl.where(inside, y, 0).to(tl.int32)
-        b_mx, b_log2s, _, b_q, b_c2, _ = _row_scan(x_ptr + o_x, y_in, V, k2, BLOCK_V, NUM_STAGES)
+        b_mx, b_log2s, _, b_q, b_c2, _ = _row_scan(
+            x_ptr + o_a, y_in + shift, V + shift, shift, k2, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, "evict_first", HEAD
+        )  # read once
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
         p_p = parts_ptr + i_row * 5
@@ -380,6 +571,8 @@ def _token_coef(
         "HAS_RATIO": lambda a: a["rho_ptr"] is not None,
         "HAS_ENT": lambda a: a["hw_ptr"] is not None,
         "ALIGNED": lambda a: _aligned(a["stride_xb"], a["stride_xt"], a["stride_ob"], a["stride_ot"]),
+        "HEAD": lambda a: _realigns(a, "x_ptr", "out_ptr"),
+        **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
     }
@@ -443,13 +636,27 @@ def fused_token_grad_fwd_kernel(
     HAS_RATIO: tl.constexpr,
     HAS_ENT: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HEAD: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
-        i_row, i_b, i_t, o_x = _row_offsets(i_r, T, stride_xb, stride_xt, ALIGNED)
-        o_o = i_b * stride_ob + i_t * stride_ot
+        i_row, i_b, i_t = _row_index(i_r, T)
+        o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
+        shift = 0
+        o_a = o_x
         if ALIGNED:
-            o_o = tl.multiple_of(o_o, 16)
+            o_a = tl.multiple_of(o_x, 16)
+        if HEAD:
+            shift = (o_x % 16).to(tl.int32)  # int32: the row's indices and masks stay 32-bit
+            o_a = tl.multiple_of(o_x - shift, 16)
+        o_oa = i_b * stride_ob + i_t * stride_ot  # the same shift as the logits' (`_realigns`)
+        if ALIGNED:
+            o_oa = tl.multiple_of(o_oa, 16)
+        if HEAD:
+            o_oa = tl.multiple_of(o_oa - shift, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
         # The per-token inputs are loaded before pass 1, so their latency hides behind it.
         b_adv = _load_bt(adv_ptr, i_b, i_t, stride_ab, stride_at)
@@ -467,7 +674,9 @@ def fused_token_grad_fwd_kernel(
         if HAS_ENT:
             b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
 
-        b_mx, b_log2s, b_zy, b_q, b_c2, _ = _row_scan(x_ptr + o_x, y, V, k2, BLOCK_V, NUM_STAGES)
+        b_mx, b_log2s, b_zy, b_q, b_c2, _ = _row_scan(
+            x_ptr + o_a, y + shift, V + shift, shift, k2, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, "evict_last", HEAD
+        )  # pass 2 re-reads the row from L2
         b_lp = _exact_logp_from_log2s(x_ptr + o_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
@@ -478,13 +687,26 @@ def fused_token_grad_fwd_kernel(
             LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
         )  # fmt: skip
         _row_grad_store(
-            x_ptr + o_x, out_ptr + o_o, y, V, k2, inv_tau, b_mx, b_log2s, b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V,
-            NUM_STAGES,
+            x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
+            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD,
         )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Launch configuration
+
+
+def _realigns(args: dict, *ptrs: str) -> bool:
+    """A row that is not ALIGNED can still be tiled on 16-byte vectors from the 16-element boundary before it
+    (HEAD), where the tensors start on 16 bytes and every tensor's rows sit at the same offset from such a
+    boundary (x and out of the same layout: a contiguous (B, T, 50257) pair, or the in-place gradient)."""
+    if args["ALIGNED"]:
+        return False
+    tensors = [args[p] for p in ptrs]
+    if any(t.data_ptr() % 16 for t in tensors):
+        return False
+    first = tensors[0]
+    return all(t.stride(0) % 16 == first.stride(0) % 16 and t.stride(1) % 16 == first.stride(1) % 16 for t in tensors)
 
 
 def _aligned(*strides: int) -> bool:
@@ -502,51 +724,108 @@ def _block_config(vocab: int) -> tuple[int, int]:
         return triton.next_power_of_2(vocab), 4
     if vocab <= 4096:  # whole row in one tile
         return triton.next_power_of_2(vocab), 8
-    if vocab <= 32768:  # Llama-2 (32000), Mistral (32768): 8 tiles of 4096
+    if vocab <= 16384:  # 2-4 tiles of 4096
         return 4096, 8
+    if vocab <= 65536:  # Llama-2 (32000), Mistral (32768): 4 tiles of 8192, 32 logits per thread; GPT-2 (50257): 7
+        return 8192, 8
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
 
 
 # The latency model (docs/performance.md). Little's law: a memory system delivering bandwidth W at latency L needs
-# W·L bytes in flight. Reference device: H100/H200 SXM, 132 SMs, 50 MiB L2, 4.3 TB/s copy rate, ~0.7 µs loaded
-# DRAM latency: 4.3e12 B/s x 0.7e-6 s = 3.0 MB, 22.8 KB per SM. The target adds 40 % for latency under load.
+# W·L bytes in flight. Reference devices: H100 SXM (132 SMs, 50 MiB L2) and H200 (132 SMs, 60 MiB L2 as torch
+# reports it), 4.3 TB/s copy rate, ~0.7 µs loaded DRAM latency: 4.3e12 B/s x 0.7e-6 s = 3.0 MB, 22.8 KB per SM.
+# The target adds 40 % for latency under load.
 REFERENCE_SMS = 132
 REFERENCE_L2_BYTES = 50 << 20  # also the fallback when the device does not report its L2 size
 IN_FLIGHT_PER_SM = 32 << 10  # bytes of loads in flight per SM, averaged over all SMs
 L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fill (the gradient streams beside them)
-# The persistent grid never asks for more (two-pass kernels): 3 leaves the fused kernel of an 8-warp row (V up to
-# 32768) 80 registers, which its float64 log-ratio scalars need (at 4 it is capped at 64 and spills)
-MAX_PROGRAMS_PER_SM = 3
+# The fused kernel's resident programs per SM at most: 2 leaves an 8-warp row (V up to 65536, 32 logits per thread
+# per tile) 128 registers, which its two tile loops and float64 log-ratio scalars need (at 3 it is capped at 80 and
+# spills); a 16-warp row gets one per SM.
+MAX_PROGRAMS_PER_SM = 2
 MAX_PIPELINE_BYTES = 192 << 10  # shared memory for the tiles in flight of one program (227 KiB per block on sm_90)
+# The fused kernel's two grids (`_fused_grid`). "sms": every SM busy (its resident programs), whatever the rows in
+# flight; "l2": no more programs than rows that fit L2_FRACTION of L2, so pass 2 re-reads from L2. By default the
+# faster of the two by `_fused_time`: the issue rate of the SMs the L2-sized grid leaves idle against the DRAM
+# traffic of the full grid's pass-2 misses (tests/ops/test_performance_model.py checks the choice against the
+# compiled model at every vocabulary it lists, on both reference devices).
+COPY_BANDWIDTH = 4.3e12  # B/s: the copy rate measured on an H200
+ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
+# Floor bytes per second (logits read + gradient written) that one busy SM's instruction issue allows the fused
+# kernel, by element size: 4 warp instructions per cycle at 1.98 GHz over the SASS instructions per row of the
+# sm_90a compile (tests/ops/test_performance_model.py holds these to every compiled plan within 20 %).
+FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 96e9}
+FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
+FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"
 
 
-def _grid_size(rows: int, row_bytes: int, two_pass: bool, sms: int, l2_bytes: int) -> int:
-    """Programs to launch; each loops over rows i, i + grid, ...
+def fused_grid_mode() -> str | None:
+    """The forced fused grid: `FUSED_GRID`, else the GRPO_KERNELS_FUSED_GRID variable, else None (the default)."""
+    mode = FUSED_GRID if FUSED_GRID is not None else (os.environ.get(FUSED_GRID_VARIABLE) or None)
+    if mode not in (None, "sms", "l2"):
+        raise ValueError(f"{FUSED_GRID_VARIABLE} (or triton_logits.FUSED_GRID) must be 'sms' or 'l2', got {mode!r}")
+    return mode
 
-    Single pass: one program per row (the hardware keeps as many resident as registers and shared memory allow).
-    Two passes: pass 2 re-reads the row while it is still in L2, so the rows in flight (one per program) must fit
-    in L2_FRACTION of it: at most that many programs, even below one per SM. A bf16 row of 151936 logits is 297 KiB:
-    86 rows fill 24.9 MiB of a 50 MiB L2 (132, one per SM, would fill 38.3 MiB); fp32: 43 rows."""
+
+def _programs_per_sm(num_warps: int, two_pass: bool) -> int:
+    """Resident programs per SM the plan counts on: two for the single-pass kernels (a third would cap registers
+    below what a 16-warp pipelined tile needs without spilling); one for the fused kernel (its two tile loops and
+    float64 log-ratio scalars need more than 128 registers at 32 logits per thread, and one row per SM keeps its
+    rows in flight, the L2 working set, smallest)."""
+    return 2 if not two_pass else 1
+
+
+def _fused_grid(
+    rows: int, row_bytes: int, elem_bytes: int, per_sm: int, sms: int, l2_bytes: int, mode: str | None = None
+) -> int:
+    """The fused kernel's persistent grid (each program loops over rows i, i + grid, ...): `mode` "sms" (every
+    SM's resident programs), "l2" (no more rows in flight than fit L2_FRACTION of L2), None the faster of the two
+    by the launcher's model (`_fused_time`). A bf16 row of 151936 logits is 297 KiB: 86 rows fill 24.9 MiB of a
+    50 MiB L2, 132 (one per SM) fill 38.3 MiB."""
+    full = max(1, min(rows, sms * per_sm))
+    fit = max(1, min(full, int(l2_bytes * L2_FRACTION) // max(1, row_bytes)))
+    if mode is None:
+        timed = {grid: _fused_time(grid, row_bytes, elem_bytes, sms, l2_bytes) for grid in (fit, full)}
+        return min(timed, key=lambda grid: (timed[grid], grid))  # a tie: the smaller grid, no misses
+    return fit if mode == "l2" else full
+
+
+def _fused_time(grid: int, row_bytes: int, elem_bytes: int, sms: int, l2_bytes: int) -> float:
+    """Predicted seconds per floor byte (one read and one write of the logits) of the fused kernel on `grid`
+    programs: DRAM time, where a pass-2 read that misses L2 (the rows in flight beyond L2_FRACTION of it, assumed
+    linear) is a second read of the row, against issue time at 1 / ISSUE_MARGIN efficiency on the busy SMs."""
+    miss = max(0.0, 1.0 - L2_FRACTION * l2_bytes / (grid * row_bytes))
+    dram = (1 + miss / 2) / COPY_BANDWIDTH
+    issue = ISSUE_MARGIN / (min(grid, sms) * FUSED_ISSUE_BYTES_PER_SM[elem_bytes])
+    return max(dram, issue)
+
+
+def _grid_size(rows: int, vocab: int, elem_bytes: int, two_pass: bool, sms: int, l2_bytes: int, num_warps: int = 16,
+               mode: str | None = None) -> int:  # fmt: skip
+    """Programs to launch. Single pass: one program per row (the hardware keeps as many resident as registers and
+    shared memory allow). Two passes: `_fused_grid`."""
     if not two_pass:
         return max(1, rows)
-    fit = max(1, int(l2_bytes * L2_FRACTION) // max(1, row_bytes))
-    return max(1, min(rows, fit, sms * MAX_PROGRAMS_PER_SM))
+    return _fused_grid(rows, vocab * elem_bytes, elem_bytes, _programs_per_sm(num_warps, True), sms, l2_bytes, mode)
 
 
-def _pipeline(block_v: int, elem_bytes: int, vocab: int, two_pass: bool, sms: int, l2_bytes: int) -> tuple[int, int]:
+def _pipeline(
+    block_v: int, elem_bytes: int, vocab: int, two_pass: bool, sms: int, l2_bytes: int, num_warps: int = 16,
+    mode: str | None = None,
+) -> tuple[int, int]:  # fmt: skip
     """(NUM_STAGES, resident programs per SM planned) of one launch.
 
     NUM_STAGES − 1 tiles are in flight (cp.async into shared memory) while one is reduced; 1 is no pipeline (a
-    one-tile row). The resident programs together carry IN_FLIGHT_PER_SM x SMs. Single pass: two programs per SM
-    (a third would cap registers below what a 16-warp pipelined tile needs without spilling). Two passes: the
-    L2-sized grid of `_grid_size`, below one program per SM for large rows, so each program gets a deeper pipeline
-    (in-row parallelism in place of rows)."""
+    one-tile row). The resident programs together carry IN_FLIGHT_PER_SM x SMs: where the fused grid leaves SMs
+    idle (the L2-sized grid of large rows), each program gets a deeper pipeline (in-row parallelism in place of
+    rows)."""
     tiles = -(-vocab // block_v)
     tile_bytes = block_v * elem_bytes
-    resident = 2 * sms
+    per_sm = _programs_per_sm(num_warps, two_pass)
+    resident = per_sm * sms
     if two_pass:
-        resident = min(MAX_PROGRAMS_PER_SM * sms, _grid_size(1 << 30, vocab * elem_bytes, True, sms, l2_bytes))
-    per_sm = -(-resident // sms)
+        resident = _fused_grid(1 << 30, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
+        per_sm = -(-resident // sms)
     if tiles <= 1:  # the whole row is one tile: only more programs put more loads in flight
         return 1, min(per_sm, -(-IN_FLIGHT_PER_SM // tile_bytes))
     want = -(-IN_FLIGHT_PER_SM * sms // (resident * tile_bytes))  # tiles in flight per program
@@ -563,10 +842,14 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     """(NUM_STAGES, maxnreg) of a row kernel from its launch arguments, ALIGNED included (the kernels' heuristics):
     `_pipeline` on the launch's device, the reference device off CUDA (where the interpreter ignores both)."""
     x = args["x_ptr"]
-    stages, per_sm = _pipeline(args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device))
-    if not args["ALIGNED"]:  # scalar loads (no cp.async below 4 bytes): more registers, one program per SM
+    num_warps = args.get("num_warps", 4)  # 4: Triton's default
+    mode = fused_grid_mode() if two_pass else None
+    stages, per_sm = _pipeline(
+        args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device), num_warps, mode
+    )
+    if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads (no cp.async below 4 bytes): one program per SM
         per_sm = 1
-    return stages, _max_registers(args.get("num_warps", 4), per_sm)  # 4: Triton's default
+    return stages, _max_registers(num_warps, per_sm)
 
 
 @functools.cache
@@ -582,11 +865,13 @@ def _device_caps_of(device: torch.device) -> tuple[int, int]:
     return _device_caps(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _num_programs(rows: int, row_bytes: int, two_pass: bool, device: torch.device) -> int:
-    """Grid size on `device` (`_grid_size`); under the interpreter one program per row."""
-    if device.type != "cuda":
+def _num_programs(rows: int, logits: torch.Tensor, two_pass: bool, num_warps: int = 16) -> int:
+    """Grid size on the logits' device (`_grid_size`); under the interpreter one program per row."""
+    if logits.device.type != "cuda":
         return rows
-    return _grid_size(rows, row_bytes, two_pass, *_device_caps_of(device))
+    mode = fused_grid_mode() if two_pass else None
+    caps = _device_caps_of(logits.device)
+    return _grid_size(rows, logits.shape[-1], logits.element_size(), two_pass, *caps, num_warps, mode)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -640,7 +925,7 @@ def row_stats(
     state = empty_row_state(batch, length, logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
+    grid = (_num_programs(rows, logits, False),)
     inv_tau = float(np.float32(1.0 / temperature))
     row_stats_fwd_kernel[grid](
         logits, ids, logp, entropy, state, rows, length, vocab,
@@ -660,7 +945,7 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
     parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)
+    grid = (_num_programs(rows, logits, False),)
     shard_partials_fwd_kernel[grid](
         logits, ids, parts, rows, length, vocab, offset,
         logits.stride(0), logits.stride(1), ids.stride(0), ids.stride(1),
@@ -695,7 +980,7 @@ def row_grad(
     kernel_state[..., 1::2] /= LN2.value  # natural units -> the kernel's log2 ones
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), False, logits.device),)  # one read per row
+    grid = (_num_programs(rows, logits, False),)  # one read per row
     row_stats_bwd_kernel[grid](
         logits, ids, kernel_state, g, h, out, rows, length, vocab,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
@@ -740,7 +1025,7 @@ def fused_token_grad(
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
     block_v, num_warps = _block_config(vocab)
-    grid = (_num_programs(rows, vocab * logits.element_size(), True, logits.device),)
+    grid = (_num_programs(rows, logits, True, num_warps),)
     inv_tau = float(np.float32(1.0 / temperature))
     fused_token_grad_fwd_kernel[grid](
         logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight,

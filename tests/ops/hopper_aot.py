@@ -30,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch attribute names
 FLOAT_ARGS = ("k2", "inv_tau", "inv_tau_lo", "lo", "hi", "delta", "eps_high", "beta", "sapo_pos", "sapo_neg", "inv_t")
 # (pointer, flag): the pointer is None (a None constexpr, as at launch) when its kernel's flag is False
 OPTIONAL_PTRS = (
@@ -45,10 +46,11 @@ ID_PTRS = ("y_ptr", "ids_ptr")
 FUSED_FLAGS = ("HAS_OLD", "HAS_REF", "HAS_RATIO", "HAS_ENT", "HAS_DELTA", "BIAS_KL")
 
 
-def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict, module: str = "triton_logits") -> dict:
+def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict, module: str = "triton_logits", **plan) -> dict:
     """One compile: `kernel` of grpo_kernels.ops.`module` for logits of `dtype` and vocabulary (or tile) width
-    `vocab`, with the constexpr `flags`."""
-    return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags, "module": module}
+    `vocab`, with the constexpr `flags`. `plan`: `l2_bytes` (the device the launch plan is for; the reference
+    H100's 50 MiB by default) and `grid` ("sms" or "l2": a forced fused grid)."""
+    return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags, "module": module, **plan}
 
 
 def main_configs(vocab: int, dtype: str) -> list[dict]:
@@ -132,8 +134,10 @@ _SASS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 def sass_tile_loops(sass: str) -> list[dict]:
-    """Instructions per iteration of each innermost SASS loop (a BRA back to a lower address) that evaluates exp2
-    (the tile loops), in program order: what one warp issues per tile."""
+    """Each innermost SASS loop (a BRA back to a lower address) that evaluates exp2 (the tile loops), in program
+    order: `instructions`, what one warp issues per tile on the common path, and `once`, the instructions that
+    a predicated forward branch inside the loop skips (the target's own tile: run once per row, not per tile);
+    `ex2` counts the common path's MUFU.EX2."""
     code = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := _SASS.match(line))]
     loops = []
     for addr, text in code:
@@ -142,10 +146,32 @@ def sass_tile_loops(sass: str) -> list[dict]:
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     out = []
     for a, b in sorted(set(inner)):
-        body = [text for addr, text in code if a <= addr <= b]
-        if any("MUFU.EX2" in t for t in body):
-            out.append({"instructions": len(body), "ex2": sum("MUFU.EX2" in t for t in body)})
+        body = [(addr, text) for addr, text in code if a <= addr <= b]
+        skipped = set()
+        for addr, text in body:
+            m = re.search(r"^@!?U?P\d\s+BRA\b.*?0x([0-9a-f]+)", text)
+            if m and addr < int(m.group(1), 16) <= b:
+                skipped |= {x for x, _ in body if addr < x < int(m.group(1), 16)}
+        common = [text for addr, text in body if addr not in skipped]
+        if any("MUFU.EX2" in t for t in common):
+            out.append(
+                {"instructions": len(common), "once": len(body) - len(common), "ex2": sum("MUFU.EX2" in t for t in common)}
+            )
     return out
+
+
+def cache_hints(ptx: str) -> dict:
+    """The L2 and L1 cache behaviour the PTX asks for: the `createpolicy` L2 policies it makes, and the distinct
+    qualifier sets of its global loads, pipelined copies and stores (e.g. `st.global.L1::evict_first`)."""
+    def forms(pattern: str) -> list[str]:
+        return sorted({re.sub(r"\.(v\d|b\d+|[suf]\d+)", "", m) for m in re.findall(pattern, ptx)})
+
+    return {
+        "policies": sorted(set(re.findall(r"createpolicy\S*?L2::(\w+)", ptx))),
+        "loads": forms(r"\b(ld\.global[.\w:]*)"),
+        "copies": forms(r"\b(cp\.async\.c[ga][.\w:]*)"),
+        "stores": forms(r"\b(st\.global[.\w:]*)"),
+    }
 
 
 def ptxas_report(log: str) -> tuple[int, int, int]:
@@ -190,7 +216,9 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     module = importlib.import_module(f"grpo_kernels.ops.{cfg['module']}")
     kernel = getattr(module, cfg["kernel"])
     jit = kernel.fn if hasattr(kernel, "values") else kernel  # under a triton.heuristics wrapper, or not
-    vocab, dtype, flags = cfg["vocab"], cfg["dtype"], cfg["flags"]
+    vocab, dtype, flags = cfg["vocab"], cfg["dtype"], dict(cfg["flags"])
+    if "HEAD" in getattr(kernel, "values", {}):  # a config that does not name it: the plain unaligned path
+        flags.setdefault("HEAD", False)
     if cfg["module"] == "triton_logits":
         block_v, num_warps = module._block_config(vocab)
     else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
@@ -206,11 +234,24 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     }
     constexprs = dict(flags, BLOCK_V=block_v)
     options = {"num_warps": num_warps}
-    for name, heur in getattr(kernel, "values", {}).items():
-        if name == "maxnreg":
-            options["maxnreg"] = heur(probe)
-        elif name == "NUM_STAGES":
-            constexprs[name] = heur(probe)
+    # The device the launch plan is for (the heuristics see a CPU tensor, so they plan for the reference device's
+    # figures: set them to this config's), and the fused grid it forces, if any.
+    device = {"REFERENCE_L2_BYTES": cfg.get("l2_bytes"), "FUSED_GRID": cfg.get("grid")}
+    saved = {name: getattr(module, name) for name in device if hasattr(module, name)}
+    for name, value in saved.items():
+        setattr(module, name, device[name] if device[name] is not None else value)
+    try:
+        for name, heur in getattr(kernel, "values", {}).items():  # in order: later heuristics see earlier ones
+            if name in flags:
+                continue
+            probe[name] = heur(probe)
+            if name == "maxnreg":
+                options["maxnreg"] = probe[name]
+            else:
+                constexprs[name] = probe[name]
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
     for ptr, flag in OPTIONAL_PTRS:
         if ptr in jit.arg_names and flag in flags and not flags[flag]:
             constexprs[ptr] = None
@@ -269,6 +310,7 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
         "spill_loads": spill_ld,
         "smem": int(compiled.metadata.shared),
         "vector_loads": bool(re.search(r"(ld\.global[^\n]*\.v[24]\.|cp\.async[^\n]*0x10)", ptx)),
+        "cache": cache_hints(ptx),
         "loops": [{**lp, "bytes_per_program": lp["bytes"] * threads} for lp in loops],
         "sass_loops": sass_loops,
     }

@@ -24,7 +24,8 @@ VOCABS = (
     256,  # (256, 1): largest BLOCK_V of the one-warp row
     1000,  # (1024, 4)
     4096,  # (4096, 8): one tile
-    32000,  # (4096, 8): Llama-2, 8 tiles
+    16000,  # (4096, 8): 4 tiles, the last one partial
+    32000,  # (8192, 8): Llama-2, 4 tiles
     151936,  # (8192, 16): Qwen2.5/3, 19 tiles
     262144,  # (8192, 16): Gemma-3, 32 tiles (deeper pipeline in the fused kernel)
 )

@@ -1,17 +1,25 @@
-"""The latency model of docs/performance.md, read off the sm_90a compile at the benchmark shapes.
+"""The performance model of docs/performance.md, read off the sm_90a compile at the vocabularies of real models.
 
-For each Triton (as in test_hopper_compile.py) and each benchmark shape (B·T = 16384 rows), from the compiled
-kernel: the loads one program keeps in flight (PTX: cp.async groups outstanding x bytes per group, or one
-iteration's ld.global bytes), the resident programs per SM (registers, shared memory), the grid the launcher
-picks for the reference device (132 SMs, 50 MiB L2), and from those:
-- bytes in flight per SM = resident programs x bytes in flight per program / SMs, averaged over all SMs; target
-  IN_FLIGHT_PER_SM (32 KiB), which by Little's law sustains 4.3 TB/s at 1 µs of latency (3.0 MB at 0.7 µs);
-- L2 working set of the fused kernel (pass 2 re-reads the row) = resident rows x row bytes; target <= L2 / 2.
-Printed, not asserted: the instruction issue bound, from the SASS instructions per tile of each tile loop (4 warp
-instructions per cycle per SM at 1.98 GHz), as the DRAM traffic it allows. `pytest -s` prints the table.
+For each Triton (3.6 and newer, as in test_hopper_compile.py), each reference device (H100: 132 SMs, 50 MiB L2; H200:
+132 SMs, 60 MiB L2 as torch reports it), bf16 and fp32 logits, B·T = 16384 rows and each vocabulary of VOCABS, the
+four row kernels are compiled with the launch plan the launcher picks on that device (each distinct plan once: the
+plan, not V, decides the code). From the compile:
+- bytes in flight per SM = resident programs x bytes in flight per program / SMs (PTX: cp.async groups outstanding x
+  bytes per group), averaged over all SMs; target IN_FLIGHT_PER_SM (32 KiB): by Little's law 4.3 TB/s at 1 µs;
+- the instruction-issue bound: SASS instructions one warp issues per row (the tile loops' common path per tile,
+  the target's tile once, the peeled tail as one more tile plus its mask), 4 warp instructions per cycle per SM
+  at 1.98 GHz, over min(grid, SMs) busy SMs, as the DRAM traffic it allows (read, plus the gradient write where
+  there is one); target ISSUE_MARGIN x the copy rate (5.4 TB/s);
+- for the fused kernel, the L2 trade: the rows in flight of each grid, the share of pass-2 reads that miss L2 when
+  they exceed L2_FRACTION of it (assumed linear: 1 − budget/rows in flight), and the predicted time of both grids
+  (DRAM time with the misses against issue time at 1/ISSUE_MARGIN efficiency); the launcher's default grid must be
+  the faster prediction, and the L2-sized grid must keep its rows within the budget.
+Every figure is a prediction from the compile; `pytest -s` prints the tables.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -21,53 +29,154 @@ from . import hopper_aot
 from .test_hopper_compile import _require_aot, site_id, triton_sites
 
 TOKENS = 16384  # B·T of the benchmark's headline shapes
-SHAPES = (("bf16", 151936), ("fp32", 151936), ("bf16", 262144), ("fp32", 262144), ("bf16", 32000))
-COPY_BANDWIDTH = 4.3e12  # B/s: the copy rate measured on an H200 (132 SMs)
+VOCABS = (
+    32000,  # Llama-2
+    32768,  # Mistral: exactly 8 tiles, no tail
+    50257,  # GPT-2: odd, so the loads cannot be proven 16-byte aligned (V is not divisible by 16)
+    50304,  # GPT-NeoX / padded GPT-2
+    128256,  # Llama-3
+    129280,  # DeepSeek-V3
+    151936,  # Qwen2.5 / Qwen3
+    152064,  # Qwen2 (72B)
+    262144,  # Gemma-3
+)
+DTYPES = ("bf16", "fp32")
+DEVICES = (("H100", 50 << 20, "50 MiB"), ("H200", 60 << 20, "60 MB"))  # L2 as torch reports it
+COPY_BANDWIDTH = triton_logits.COPY_BANDWIDTH  # B/s: the copy rate measured on an H200 (132 SMs)
+ISSUE_MARGIN = triton_logits.ISSUE_MARGIN  # the issue bound must clear the copy rate by this much
 LATENCY = 0.7e-6  # s: loaded DRAM latency
 CLOCK = 1.98e9  # Hz: H100/H200 SXM boost clock; each SM issues 4 warp instructions per cycle
-DRAM_PER_LOGIT_BYTE = {"stats": 1, "grad+H": 2, "fused clip all": 2}  # read (+ gradient write; pass 2 from L2)
+FUSED = "fused_token_grad_fwd_kernel"
+KERNELS = (  # (label, kernel, flags, DRAM bytes per logit byte counted by the bound)
+    ("stats", "row_stats_fwd_kernel", {"ALIGNED": True}, 1),
+    ("grad+H", "row_stats_bwd_kernel", {"HAS_ENT": True, "ALIGNED": True}, 2),
+    ("fused clip all", FUSED, {"LOSS": 0, "ALIGNED": True, **dict.fromkeys(hopper_aot.FUSED_FLAGS, True)}, 2),
+    ("shard partials", "shard_partials_fwd_kernel", {"ALIGNED": True}, 1),
+)
 
 
-def model(rows: list[dict], sms: int, l2_bytes: int) -> list[dict]:
-    out = []
-    for r in rows:
-        two_pass = r["kernel"] == "fused_token_grad_fwd_kernel"
-        row_bytes = r["vocab"] * hopper_aot.ELEMENT_BYTES[r["dtype"]]
-        grid = triton_logits._grid_size(TOKENS, row_bytes, two_pass, sms, l2_bytes)
-        occupancy = hopper_aot.programs_per_sm(r["regs"], r["num_warps"], r["smem"])
-        resident = min(grid, sms * occupancy)
-        per_program = min(lp["bytes_per_program"] for lp in r["loops"])
-        # Instruction issue bound: every tile loop (both passes of the fused kernel) runs once per tile.
-        cycles_per_tile = sum(lp["instructions"] for lp in r["sass_loops"]) * r["num_warps"] / 4
-        tile_bytes = r["block_v"] * hopper_aot.ELEMENT_BYTES[r["dtype"]]
-        issue_rate = min(resident, sms) * tile_bytes * CLOCK / cycles_per_tile * DRAM_PER_LOGIT_BYTE[r["label"]]
-        out.append(
-            {
-                **r,
-                "grid": grid,
-                "occupancy": occupancy,
-                "resident": resident,
-                "flight_program": per_program,
-                "flight_sm": resident * per_program / sms,
-                "l2_set": resident * row_bytes if two_pass else None,
-                "sass_per_tile": [lp["instructions"] for lp in r["sass_loops"]],
-                "issue_rate": issue_rate,
-            }
-        )
+def modern_sites() -> list[str | None]:
+    """The Tritons the model is asserted on: the environment's and each GRPO_KERNELS_TRITON_SITES folder of 3.6 or
+    newer (3.5 stays in the register/spill test of test_hopper_compile.py)."""
+    return [s for s in triton_sites() if s is None or "triton-3.5" not in s]
+
+
+def _plan(kernel: str, dtype: str, vocab: int, l2: int, grid: str | None, flags: dict) -> tuple:
+    """What decides the compiled code of one launch: the block config, the launch heuristics' stages and register
+    cap on this device (as the kernels' own heuristics compute them), the flags, and V's alignment."""
+    import torch
+
+    block_v, warps = triton_logits._block_config(vocab)
+    args = {"x_ptr": torch.empty(0, dtype=getattr(torch, hopper_aot.TORCH_DTYPES[dtype])), "BLOCK_V": block_v, "V": vocab,
+            "num_warps": warps, "ALIGNED": flags.get("ALIGNED", True), "HEAD": flags.get("HEAD", False)}  # fmt: skip
+    saved = triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID
+    triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID = l2, grid
+    try:
+        stages, maxnreg = triton_logits._launch_plan(args, two_pass=kernel == FUSED)
+    finally:
+        triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID = saved
+    return kernel, dtype, block_v, warps, stages, maxnreg, vocab % 16 == 0, tuple(sorted(flags.items()))
+
+
+def configs_for(site: str | None) -> tuple[list[dict], list[dict]]:
+    """(distinct compiles, model rows): each model row names the compile it reads by `plan`."""
+    compiles: dict[tuple, dict] = {}
+    rows = []
+    for device, l2, l2_name in DEVICES:
+        for dtype in DTYPES:
+            for vocab in VOCABS:
+                for label, kernel, flags, dram in KERNELS:
+                    # a contiguous (B, T, V) tensor's rows: aligned, or realigned from their 16-element boundary
+                    flags = {**flags, "ALIGNED": vocab % 16 == 0, "HEAD": vocab % 16 != 0}
+                    grids = ("default", "sms", "l2") if kernel == FUSED else ("default",)
+                    for grid in grids:
+                        mode = None if grid == "default" else grid
+                        key = _plan(kernel, dtype, vocab, l2, mode, flags)
+                        if key not in compiles:
+                            compiles[key] = hopper_aot.config(label, kernel, dtype, vocab, flags, l2_bytes=l2, grid=mode)
+                        rows.append({"device": device, "l2": l2, "l2_name": l2_name, "label": label, "kernel": kernel,
+                                     "dtype": dtype, "vocab": vocab, "grid_mode": grid, "dram": dram, "plan": key})  # fmt: skip
+    return list(compiles.values()), rows
+
+
+def predict(row: dict, compiled: dict) -> dict:
+    """The model of one (device, kernel, dtype, V, grid) from its compile."""
+    sms, l2 = triton_logits.REFERENCE_SMS, row["l2"]
+    elem = hopper_aot.ELEMENT_BYTES[row["dtype"]]
+    vocab, block_v, warps = row["vocab"], compiled["block_v"], compiled["num_warps"]
+    row_bytes = vocab * elem
+    two_pass = row["kernel"] == FUSED
+    mode = None if row["grid_mode"] == "default" else row["grid_mode"]
+    grid = triton_logits._grid_size(TOKENS, vocab, elem, two_pass, sms, l2, warps, mode)
+    occupancy = hopper_aot.programs_per_sm(compiled["regs"], warps, compiled["smem"])
+    resident = min(grid, sms * occupancy)
+    # The tile loops are the software-pipelined ones (the tail and dead-row loops are short or load nothing).
+    pipelined = [lp["bytes_per_program"] for lp in compiled["loops"] if lp["pipelined"]]
+    per_program = min(pipelined) if pipelined else 0
+    # Each pass is a tile loop over the full tiles, then a loop over the ragged tail in quarter tiles (CHUNK
+    # logits); a compiler may unroll the short tail loop, so its body's share per chunk comes from its exp2 count.
+    loops = compiled["sass_loops"]
+    passes = 2 if two_pass else 1
+    assert len(loops) == 2 * passes, f"expected a tile loop and a tail loop per pass: {loops}"
+    per_thread = block_v // (32 * warps)  # logits per thread per tile
+    chunk = block_v // 4
+    full_tiles = vocab // block_v
+    chunks = math.ceil((vocab - full_tiles * block_v) / chunk)
+    per_row = 0.0
+    for main, tail in zip(loops[0::2], loops[1::2], strict=True):
+        unrolled = max(1, tail["ex2"] // (per_thread // 4))
+        per_row += full_tiles * main["instructions"] + main["once"] + chunks * (tail["instructions"] / unrolled)
+        per_row += tail["once"] if chunks else 0
+    cycles_per_row = per_row * warps / 4
+    busy = min(resident, sms)
+    issue = busy * row_bytes * CLOCK / cycles_per_row * row["dram"]
+    out = {
+        **row,
+        **{k: compiled[k] for k in ("regs", "smem", "num_stages", "spill_stores", "spill_loads", "triton")},
+        "block_v": block_v,
+        "warps": warps,
+        "grid": grid,
+        "occupancy": occupancy,
+        "resident": resident,
+        "flight_program": per_program,
+        "flight_sm": resident * per_program / sms,
+        "sass_per_tile": [lp["instructions"] for lp in loops[0::2]],
+        "once": [lp["once"] for lp in loops[0::2]],
+        "ex2": [lp["ex2"] for lp in loops[0::2]],
+        "vec": 16 // elem,
+        "per_thread": per_thread,
+        "issue": issue,
+        "issue_per_sm": issue / busy,
+        "l2_set": resident * row_bytes if two_pass else None,
+    }
+    if two_pass:
+        budget = triton_logits.L2_FRACTION * l2
+        miss = max(0.0, 1.0 - budget / out["l2_set"])
+        floor = 2 * row_bytes  # read + gradient write per row: the traffic floor
+        dram_time = floor * (1 + miss / 2) / COPY_BANDWIDTH  # a missed pass-2 read is a second read of the row
+        out["miss"] = miss
+        # Issue at 1 / ISSUE_MARGIN efficiency (the margin the issue target leaves for it), against DRAM time.
+        out["predicted"] = floor / max(dram_time, floor * ISSUE_MARGIN / issue)  # floor bytes per second
     return out
 
 
-def print_model(rows: list[dict], l2_bytes: int) -> None:
-    print(f"\nLatency model, Triton {rows[0]['triton']}, sm_90a, B·T = {TOKENS}, 132 SMs, L2 {l2_bytes >> 20} MiB:")
-    print(f"{'kernel':<16}{'dtype':<6}{'V':>7}{'stages':>7}{'regs':>5}{'smem KiB':>9}{'CTA/SM':>7}{'grid':>6}"
-          f"{'resident':>9}{'KiB/prog':>9}{'KiB/SM':>8}{'L2 MiB':>8}{'SASS/tile':>10}{'issue TB/s':>11}")  # fmt: skip
+def print_model(rows: list[dict]) -> None:
+    first = rows[0]
+    print(
+        f"\nPerformance model, Triton {first['triton']}, sm_90a, B·T = {TOKENS}, 132 SMs, L2 {first['l2_name']} "
+        f"({first['device']}); issue TB/s: the DRAM traffic the instruction issue allows, target >= "
+        f"{ISSUE_MARGIN * COPY_BANDWIDTH / 1e12:.1f}"
+    )
+    print(f"{'kernel':<16}{'dtype':<6}{'V':>7}{'grid':>11}{'stages':>7}{'regs':>5}{'smem KiB':>9}{'CTA/SM':>7}"
+          f"{'resident':>9}{'KiB/SM':>8}{'L2 MiB':>8}{'miss':>6}{'SASS/tile':>10}{'issue TB/s':>11}")  # fmt: skip
     for m in rows:
         l2 = "-" if m["l2_set"] is None else f"{m['l2_set'] / 2**20:.1f}"
+        miss = "-" if m["l2_set"] is None else f"{m['miss']:.2f}"
+        grid = f"{m['grid']}" + ("" if m["kernel"] != FUSED else f" {m['grid_name']}")
         print(
-            f"{m['label']:<16}{m['dtype']:<6}{m['vocab']:>7}{m['num_stages']:>7}{m['regs']:>5}"
-            f"{m['smem'] / 1024:>9.1f}{m['occupancy']:>7}{m['grid']:>6}{m['resident']:>9}"
-            f"{m['flight_program'] / 1024:>9.0f}{m['flight_sm'] / 1024:>8.1f}{l2:>8}"
-            f"{'+'.join(map(str, m['sass_per_tile'])):>10}{m['issue_rate'] / 1e12:>11.2f}"
+            f"{m['label']:<16}{m['dtype']:<6}{m['vocab']:>7}{grid:>11}{m['num_stages']:>7}{m['regs']:>5}"
+            f"{m['smem'] / 1024:>9.1f}{m['occupancy']:>7}{m['resident']:>9}{m['flight_sm'] / 1024:>8.1f}{l2:>8}"
+            f"{miss:>6}{'+'.join(map(str, m['sass_per_tile'])):>10}{m['issue'] / 1e12:>11.2f}"
         )
 
 
@@ -77,27 +186,117 @@ def test_in_flight_target_follows_littles_law():
     assert 1.3 * needed <= triton_logits.IN_FLIGHT_PER_SM <= 2 * needed
 
 
-@pytest.mark.parametrize("site", triton_sites(), ids=site_id)
-def test_bytes_in_flight_and_l2_working_set(site):
+@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~1 min per Triton on a quiet 2-core machine
+def model(request) -> list[dict]:
+    site = request.param
     _require_aot(site)
-    configs = [cfg for dtype, vocab in SHAPES for cfg in hopper_aot.main_configs(vocab, dtype)]
-    sms, l2 = triton_logits.REFERENCE_SMS, triton_logits.REFERENCE_L2_BYTES
-    rows = model(hopper_aot.compile_rows(configs, site, sass=True), sms, l2)
-    print_model(rows, l2)
-    short = [(m["label"], m["dtype"], m["vocab"], round(m["flight_sm"])) for m in rows
+    compiles, rows = configs_for(site)
+    by_plan = {}
+    for cfg, compiled in zip(compiles, hopper_aot.compile_rows(compiles, site, sass=True), strict=True):
+        by_plan[_plan(cfg["kernel"], cfg["dtype"], cfg["vocab"], cfg["l2_bytes"], cfg["grid"], cfg["flags"])] = compiled
+    out = [predict(row, by_plan[row["plan"]]) for row in rows]
+    for m in out:  # which grid the default is, for the table
+        if m["kernel"] == FUSED:
+            same = [o for o in out if o["kernel"] == FUSED and o["device"] == m["device"] and o["dtype"] == m["dtype"]
+                    and o["vocab"] == m["vocab"] and o["grid_mode"] == "l2"]  # fmt: skip
+            m["grid_name"] = "l2" if same and same[0]["grid"] == m["grid"] else "sms"
+    for device, _, _ in DEVICES:
+        print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
+    return out
+
+
+def test_every_kernel_clears_the_copy_rate_at_issue(model):
+    """Instruction issue is not the ceiling: every kernel's issue bound (at 100 % issue efficiency) is at least
+    ISSUE_MARGIN x the copy rate, at every vocabulary, dtype and device, in the plan the launcher picks."""
+    low = [(m["device"], m["label"], m["dtype"], m["vocab"], round(m["issue"] / 1e12, 2)) for m in model
+           if m["grid_mode"] == "default" and m["issue"] < ISSUE_MARGIN * COPY_BANDWIDTH]  # fmt: skip
+    assert not low, f"issue bound below {ISSUE_MARGIN} x {COPY_BANDWIDTH / 1e12} TB/s: {low}"
+
+
+def test_tile_loops_do_one_exp2_per_logit(model):
+    """The common path of each tile loop holds all of its work: one exp2 per logit of the thread (pass 1: one
+    more, the lanes' rescale), so the instructions counted once per row cannot hide per-tile work."""
+    wrong = []
+    for m in model:
+        slots = m["per_thread"] // m["vec"]  # each slot's rescale in pass 1
+        expected = [m["per_thread"] + slots, m["per_thread"]] if m["kernel"] == FUSED else [m["per_thread"] + slots]
+        if m["kernel"] == "row_stats_bwd_kernel":
+            expected = [m["per_thread"]]
+        if m["ex2"] != expected:
+            wrong.append((m["label"], m["dtype"], m["vocab"], m["ex2"], expected))
+    assert not wrong, f"tile loops with another exp2 count than one per logit: {wrong}"
+
+
+def test_launcher_issue_figures_match_the_compile(model):
+    """The fused grid's default comes from the launcher's own issue figures (FUSED_ISSUE_BYTES_PER_SM): they stay
+    within 20 % of what each compiled plan gives per busy SM."""
+    off = []
+    for m in model:
+        if m["kernel"] != FUSED:
+            continue
+        planned = triton_logits.FUSED_ISSUE_BYTES_PER_SM[hopper_aot.ELEMENT_BYTES[m["dtype"]]]
+        if not 0.8 <= m["issue_per_sm"] / planned <= 1.2:
+            off.append((m["dtype"], m["vocab"], m["grid_mode"], round(m["issue_per_sm"] / 1e9, 1), planned / 1e9))
+    assert not off, f"compiled issue per SM (GB/s) far from FUSED_ISSUE_BYTES_PER_SM: {off}"
+
+
+def test_no_spills_and_bytes_in_flight(model):
+    spilled = [(m["label"], m["dtype"], m["vocab"], m["grid_mode"], m["spill_stores"], m["spill_loads"])
+               for m in model if m["spill_stores"] or m["spill_loads"]]  # fmt: skip
+    assert not spilled, f"register spills: {spilled}"
+    short = [(m["device"], m["label"], m["dtype"], m["vocab"], m["grid_mode"], round(m["flight_sm"])) for m in model
              if m["flight_sm"] < triton_logits.IN_FLIGHT_PER_SM]  # fmt: skip
     assert not short, f"fewer than {triton_logits.IN_FLIGHT_PER_SM} bytes in flight per SM: {short}"
-    spilled = [m["label"] for m in rows if m["l2_set"] is not None and m["l2_set"] > l2 * triton_logits.L2_FRACTION]
-    assert not spilled, f"rows in flight exceed {triton_logits.L2_FRACTION} of L2: {spilled}"
     # The register ceiling of the launch plan holds the residency the pipeline depth was sized for.
-    planned = {
-        (m["label"], m["dtype"], m["vocab"]): triton_logits._pipeline(
-            m["block_v"], hopper_aot.ELEMENT_BYTES[m["dtype"]], m["vocab"], m["label"].startswith("fused"), sms, l2
-        )[1]
-        for m in rows
-    }
-    under = [(k, m["occupancy"]) for m in rows if m["occupancy"] < planned[k := (m["label"], m["dtype"], m["vocab"])]]
+    under = []
+    for m in model:
+        mode = None if m["grid_mode"] == "default" else m["grid_mode"]
+        planned = triton_logits._pipeline(m["block_v"], hopper_aot.ELEMENT_BYTES[m["dtype"]], m["vocab"],
+                                          m["kernel"] == FUSED, triton_logits.REFERENCE_SMS, m["l2"], m["warps"],
+                                          mode)[1]  # fmt: skip
+        if m["occupancy"] < planned:
+            under.append((m["label"], m["dtype"], m["vocab"], m["grid_mode"], m["occupancy"], planned))
     assert not under, f"fewer resident programs per SM than planned: {under}"
+
+
+def test_fused_grid_trade(model):
+    """The L2-sized grid keeps its rows within L2_FRACTION of L2; the default grid is the faster of the two
+    predictions (within 2 %): the issue rate of the SMs it leaves idle against the DRAM traffic of the misses."""
+    fused = [m for m in model if m["kernel"] == FUSED]
+    over = [(m["device"], m["dtype"], m["vocab"], round(m["l2_set"] / 2**20, 1)) for m in fused
+            if m["grid_mode"] == "l2" and m["l2_set"] > triton_logits.L2_FRACTION * m["l2"]]  # fmt: skip
+    assert not over, f"L2-sized grid's rows in flight exceed {triton_logits.L2_FRACTION} of L2: {over}"
+    print("\nFused grid trade (predicted floor bytes per second: issue at 80 % against DRAM with the pass-2 misses):")
+    slower = []
+    for m in fused:
+        if m["grid_mode"] != "default":
+            continue
+        alt = {o["grid_mode"]: o for o in fused if (o["device"], o["dtype"], o["vocab"]) == (m["device"], m["dtype"],
+               m["vocab"]) and o["grid_mode"] != "default"}  # fmt: skip
+        best = max(alt.values(), key=lambda o: o["predicted"])
+        print(f"  {m['device']} {m['dtype']} V={m['vocab']}: sms grid {alt['sms']['grid']} "
+              f"{alt['sms']['predicted'] / 1e12:.2f} TB/s (miss {alt['sms']['miss']:.2f}), l2 grid "
+              f"{alt['l2']['grid']} {alt['l2']['predicted'] / 1e12:.2f} TB/s; default {m['grid_name']}")  # fmt: skip
+        if m["predicted"] < 0.98 * best["predicted"]:
+            slower.append((m["device"], m["dtype"], m["vocab"], m["grid_name"], best["grid_mode"]))
+    assert not slower, f"the default fused grid is not the faster prediction: {slower}"
+
+
+def test_grid_switch(monkeypatch):
+    """GRPO_KERNELS_FUSED_GRID (or triton_logits.FUSED_GRID) forces either grid; anything else is refused."""
+    monkeypatch.delenv(triton_logits.FUSED_GRID_VARIABLE, raising=False)
+    assert triton_logits.fused_grid_mode() is None
+    row = 151936 * 2
+    sms, l2 = triton_logits.REFERENCE_SMS, triton_logits.REFERENCE_L2_BYTES
+    for mode, expected in (("sms", 132), ("l2", int(l2 * triton_logits.L2_FRACTION) // row)):
+        monkeypatch.setenv(triton_logits.FUSED_GRID_VARIABLE, mode)
+        assert triton_logits.fused_grid_mode() == mode
+        assert triton_logits._grid_size(TOKENS, 151936, 2, True, sms, l2, 16, triton_logits.fused_grid_mode()) == expected
+    monkeypatch.setattr(triton_logits, "FUSED_GRID", "sms")  # the attribute wins over the variable
+    assert triton_logits.fused_grid_mode() == "sms"
+    monkeypatch.setattr(triton_logits, "FUSED_GRID", "half")
+    with pytest.raises(ValueError, match="GRPO_KERNELS_FUSED_GRID"):
+        triton_logits.fused_grid_mode()
 
 
 PIPELINED_PTX = """
@@ -121,8 +320,9 @@ $L__BB0_3:
 """
 
 
-def test_ptx_loop_analysis():
-    """The PTX reading on known snippets: a 5-stage pipeline of two 16-byte copies per thread, a plain loop."""
+def test_ptx_and_sass_loop_analysis():
+    """The PTX and SASS readings on known snippets: a 5-stage pipeline of two 16-byte copies per thread, a plain
+    loop; a SASS tile loop with a branch over the target's tile, and a loop without exp2 (not a tile loop)."""
     (body,) = hopper_aot.innermost_loops(PIPELINED_PTX)
     assert hopper_aot.loop_loads_in_flight(body) == {"pipelined": True, "groups": 4, "bytes": 128, "vec16_per_iter": 2}
     (body,) = hopper_aot.innermost_loops(PLAIN_PTX)
@@ -130,13 +330,16 @@ def test_ptx_loop_analysis():
     assert hopper_aot.innermost_loops("$L__BB0_1:\n\tbra.uni \t$L__BB0_2;\n$L__BB0_2:\n") == []
     sass = (
         "        /*0100*/                   MUFU.EX2 R1, R2 ;\n"
-        "        /*0110*/                   FADD R3, R1, R4 ;\n"
-        "        /*0120*/               @P0 BRA 0x100 ;\n"
-        "        /*0130*/                   IADD3 R5, R5, 0x1, RZ ;\n"
-        "        /*0140*/               @P1 BRA 0x130 ;\n"
-        "        /*0150*/                   EXIT ;\n"
+        "        /*0110*/               @P2 BRA 0x140 ;\n"
+        "        /*0120*/                   ISETP.NE.U32.AND P3, PT, R6, UR5, PT ;\n"
+        "        /*0130*/                   FSEL R7, R7, -INF , P3 ;\n"
+        "        /*0140*/                   FADD R3, R1, R4 ;\n"
+        "        /*0150*/               @P0 BRA 0x100 ;\n"
+        "        /*0160*/                   IADD3 R5, R5, 0x1, RZ ;\n"
+        "        /*0170*/               @P1 BRA 0x160 ;\n"
+        "        /*0180*/                   EXIT ;\n"
     )
-    assert hopper_aot.sass_tile_loops(sass) == [{"instructions": 3, "ex2": 1}]  # the second loop has no exp2
+    assert hopper_aot.sass_tile_loops(sass) == [{"instructions": 4, "once": 2, "ex2": 1}]
     assert hopper_aot.programs_per_sm(64, 16, 16448) == 2
     assert hopper_aot.programs_per_sm(111, 16, 65600) == 1
     assert hopper_aot.programs_per_sm(64, 16, 230 << 10) == 0
