@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, when run from anywhere
-from benchmarks.lib import harness, report  # noqa: E402
-from benchmarks.lib.linear import (  # noqa: E402
+from benchmarks.lib import harness, report
+from benchmarks.lib.linear import (
     CONTENDERS,
     GPU_SHAPES,
     HEADLINE,
@@ -49,7 +49,7 @@ from benchmarks.lib.linear import (  # noqa: E402
     ratios,
     reference_check,
 )
-from benchmarks.lib.workload import Workload  # noqa: E402
+from benchmarks.lib.workload import Workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,5 +1,6 @@
-"""Forward+backward of the GRPO loss from logits, side by side: eager PyTorch, torch.compile, TRL 1.16, Liger-Kernel
-0.8.5 and grpo_kernels, on the same inputs in one run. Results land in benchmarks/results/<device>.{json,md,png}.
+"""Forward+backward of the GRPO loss from logits, side by side: grpo_kernels, eager PyTorch, TRL 1.16, Liger-Kernel
+0.8.5 and torch.compile, on the same inputs in one run, timed in that order, each row written as soon as it is timed.
+Results land in benchmarks/results/<device>.{json,md,png}.
 
     python benchmarks/bench_loss.py --device cuda     # the GPU table (benchmarks/gpu_check.sh wraps it)
     python benchmarks/bench_loss.py --device cpu      # the CPU table: each contender in a fresh process
@@ -27,9 +28,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, when run from anywhere
-from benchmarks.lib import harness, report, runner  # noqa: E402
-from benchmarks.lib.contenders import CONTENDERS  # noqa: E402
-from benchmarks.lib.workload import DTYPES, SEQ_LEN, Workload  # noqa: E402
+from benchmarks.lib import harness, report, runner
+from benchmarks.lib.contenders import COMPILE_BACKEND_ENV, CONTENDERS, faults
+from benchmarks.lib.measure import NOT_REACHED
+from benchmarks.lib.workload import DTYPES, SEQ_LEN, Workload
 
 # (dtype, V, B·T) of each mode's table; --dtypes / --vocabs / --tokens replace it by their product
 HEADLINE = ("bf16", 151936, 16384)  # Qwen's vocabulary, 16 sequences of 1024 tokens: 5 GB of logits
@@ -62,8 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed calls per contender and shape (at most)")
     p.add_argument("--min-reps", type=int, default=5, help="timed calls at least, whatever the shape budget")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (GPU default 2, CPU 1)")
-    p.add_argument("--shape-budget-s", type=float, default=6.0, help="GPU: time rounds until about this much is spent")
-    p.add_argument("--budget-s", type=float, default=330.0, help="GPU: no new shape starts after this many seconds")
+    p.add_argument(
+        "--contender-budget-s", type=float, default=1.0, help="GPU: time each contender's calls for about this long"
+    )
+    p.add_argument(
+        "--contender-timeout-s",
+        type=float,
+        default=0.0,
+        help="GPU: a contender still running after this many seconds is stopped, its row says so (0: no limit)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=330.0, help="GPU: the run stops after this many seconds, wherever it is"
+    )
+    p.add_argument("--copy-mib", type=int, default=None, help="MiB copied to measure the copy bandwidth (default: "
+                   "GPU 4096, CPU 256, dry run 16)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="CPU: fresh processes per contender and shape")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU: torch threads per worker")
     p.add_argument("--worker-timeout-s", type=float, default=600.0)
@@ -75,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="output stem (writes .json/.md/.png); default benchmarks/results/<device>",
     )
+    p.add_argument("--no-plot", action="store_true", help="write the JSON and markdown only (--render adds the PNG)")
     p.add_argument(
         "--render",
         type=Path,
@@ -100,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "dry-run": (DRY_SHAPES, 3, 16 << 20, 1),
     }[args.mode]
     args.reps = args.reps or reps
+    if args.copy_mib is not None:
+        if args.copy_mib <= 0:
+            p.error(f"--copy-mib must be > 0, got {args.copy_mib}")
+        args.copy_bytes = args.copy_mib << 20
     args.warmup = warmup if args.warmup is None else args.warmup
     try:
         args.shapes = _shapes(args, shapes)
@@ -107,6 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if args.mode == "dry-run":
         args.min_reps = min(args.min_reps, args.reps)
+    try:
+        faults()  # GRPO_BENCH_FAULT, read again where each fault applies
+    except ValueError as e:
+        p.error(str(e))
+    for flag in ("budget_s", "contender_budget_s", "contender_timeout_s"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     return args
 
 
@@ -144,24 +170,41 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload(loss_type=args.loss_type, entropy_coef=args.entropy_coef)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    info = harness.device_info(args.device)
-    out_stem = args.out or harness.RESULTS_DIR / harness.device_slug(info)
-    command = "python benchmarks/bench_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    payload: dict[str, Any] = {
+    payload = new_payload(args, w, sys.argv[1:] if argv is None else argv)
+    out_stem = args.out or harness.RESULTS_DIR / harness.device_slug(payload["device"])
+    if args.resume and out_stem.with_suffix(".json").exists():
+        payload = _resumed(payload, json.loads(out_stem.with_suffix(".json").read_text()), args)
+    if args.mode == "cpu":
+        runner.run_cpu(args, w, payload, out_stem)
+    else:
+        if args.mode == "dry-run":
+            os.environ.setdefault(COMPILE_BACKEND_ENV, "aot_eager")  # the worker inherits it
+            payload["reference_check"] = runner.reference_check(args, w)
+            note = "dry run: the GPU code path on the CPU at toy sizes; its numbers mean nothing"
+            payload["notes"] += [note] if note not in payload["notes"] else []
+        runner.run_supervised(args, w, payload, out_stem)
+    report.finish(payload, out_stem, png=not args.no_plot)
+    print(f"results: {out_stem.with_suffix('.json')}, .md{'' if args.no_plot else ', .png'}", flush=True)
+    return 0
+
+
+def new_payload(args: argparse.Namespace, w: Workload, argv: list[str]) -> dict[str, Any]:
+    """The results file before any row: where, what and how it measures."""
+    return {
         "benchmark": "grpo_loss forward+backward from logits",
         "mode": args.mode,
-        "command": command,
+        "command": "python benchmarks/bench_loss.py " + " ".join(argv),
         "created": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": info,
+        "device": harness.device_info(args.device),
         "versions": harness.versions(),
         "git": harness.git_revision(),
         "workload": asdict(w),
         "timing": (
-            "CUDA events around each call, rounds alternating the contenders"
+            "CUDA events around each call, each contender's calls in a row, contenders one after the other"
             if args.device == "cuda"
             else "wall-clock per call, rounds of fresh processes alternating the contenders"
             if args.mode == "cpu"
-            else "wall-clock per call, rounds alternating the contenders"
+            else "wall-clock per call, each contender's calls in a row, contenders one after the other"
         ),
         "bytes_counted": "2·B·T·V·itemsize: one read of the logits, one write of their gradient",
         "contenders": {n: CONTENDERS[n].description for n in args.contenders},
@@ -175,26 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         "records": [],
         "notes": [],
     }
-    if args.resume and out_stem.with_suffix(".json").exists():
-        payload = _resumed(payload, json.loads(out_stem.with_suffix(".json").read_text()), args)
-    if args.mode == "cpu":
-        runner.run_cpu(args, w, payload, out_stem)
-    else:
-        if args.mode == "dry-run":
-            payload["reference_check"] = runner.reference_check(args, w)
-            note = "dry run: the GPU code path on the CPU at toy sizes; its numbers mean nothing"
-            payload["notes"] += [note] if note not in payload["notes"] else []
-        runner.run_supervised(args, w, payload, out_stem)
-    report.finish(payload, out_stem)
-    print(f"results: {out_stem.with_suffix('.json')}, .md, .png", flush=True)
-    return 0
 
 
 def _resumed(payload: dict[str, Any], old: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The earlier run's payload, to which this run adds the shapes it lacks (same workload and device only)."""
     if old.get("workload") != payload["workload"] or old["device"].get("name") != payload["device"]["name"]:
         raise SystemExit("--resume: the --out JSON was made with another workload or device")
-    done = {(r["dtype"], r["V"], r["BT"]) for r in old["records"] if r["status"] not in ("skipped", "error")}
+    unfinished = ("skipped", "error", NOT_REACHED)
+    done = {(r["dtype"], r["V"], r["BT"]) for r in old["records"] if r["status"] not in unfinished}
     old["records"] = [r for r in old["records"] if (r["dtype"], r["V"], r["BT"]) in done]
     args.shapes = [s for s in args.shapes if tuple(s) not in done]
     old["command"] += f"; then {payload['command']}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check in one command, under 8 minutes by construction (per-phase budgets: benchmarks/gpu_check.py).
+# The whole GPU check in one command, within 7 minutes by construction (per-phase budgets: benchmarks/gpu_check.py).
 #
 #     bash benchmarks/fetch_wheels.sh        # first, on a machine with the package registry (see benchmarks/README.md)
 #     bash benchmarks/gpu_check.sh           # then, from the repository root, on the GPU machine

@@ -1,15 +1,64 @@
-"""Test-wide setup: run the Triton kernels under the interpreter when no GPU is present, NaN-filled allocations."""
+"""Test-wide setup: which Triton tests can run here, the Triton interpreter on a machine without a GPU, NaN-filled
+allocations.
+
+Two questions the suite keeps apart:
+- TRITON_CPU: can Triton run CPU tensors? Only under its interpreter (TRITON_INTERPRET=1, set here when no CUDA
+  device is present and the interpreter works). The tests that call backend="triton" on CPU tensors need it.
+- ON_GPU: is there a CUDA device for compiled kernels? The `gpu`-marked tests need it, and the interpreter off
+  (it would run them on the host, hours at their sizes).
+On a CUDA machine without TRITON_INTERPRET the first kind skip and the second run; on a CPU machine the reverse.
+"""
 
 import os
+from importlib import metadata
 
+import pytest
 import torch
+from hypothesis import settings
 
-if not torch.cuda.is_available():
+
+def interpreter_blocker(triton_version: str | None, numpy_version: str | None) -> str | None:
+    """Why Triton's interpreter cannot run with these versions (None: it can). Triton 3.5/3.6's interpreter converts
+    its one-element arrays to Python ints in a way numpy 2.4 rejects ("only 0-dimensional arrays can be converted to
+    Python scalars" at every loop bound; triton-lang/triton#9171, fixed after 3.6)."""
+    if triton_version is None:
+        return "Triton is not installed"
+
+    def release(version: str) -> tuple[int, int]:
+        major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+    if numpy_version is not None and release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
+        return f"Triton {triton_version}'s interpreter cannot run under numpy {numpy_version} (needs numpy < 2.4)"
+    return None
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+CUDA = torch.cuda.is_available()
+INTERPRETER_BLOCKER = interpreter_blocker(_installed("triton"), _installed("numpy"))
+if not CUDA and INTERPRETER_BLOCKER is None:
     # Must happen before triton is first imported, so the kernels run on the CPU in CI.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
-import pytest  # noqa: E402
-from hypothesis import settings  # noqa: E402
+TRITON_CPU = INTERPRETER and INTERPRETER_BLOCKER is None  # Triton runs CPU tensors (the interpreter)
+ON_GPU = CUDA and not INTERPRETER  # a CUDA device runs compiled kernels
+HAS_TRITON_DEVICE = TRITON_CPU  # the former name of TRITON_CPU, for the tests that still import it
+
+if INTERPRETER_BLOCKER is not None:
+    TRITON_CPU_REASON = f"Triton runs CPU tensors only under its interpreter: {INTERPRETER_BLOCKER}"
+else:  # (unused where TRITON_CPU holds)
+    TRITON_CPU_REASON = "Triton runs CPU tensors only under its interpreter: TRITON_INTERPRET=1 is not set" + (
+        " (a CUDA device is present)" if CUDA else "")  # fmt: skip
+GPU_REASON = "needs a CUDA GPU" if not CUDA else "needs compiled kernels: TRITON_INTERPRET=1 is set"
+# The mark of a test that sends CPU tensors to backend="triton".
+needs_triton_cpu = pytest.mark.skipif(not TRITON_CPU, reason=TRITON_CPU_REASON)
 
 # Property tests draw the same examples on every run ("ci", the default), so a test suite that passed once passes
 # again and CI cannot fail on a draw nobody saw. To search for new counterexamples, run them with
@@ -18,12 +67,9 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-ON_GPU = torch.cuda.is_available()
-HAS_TRITON_DEVICE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = pytest.mark.skip(reason=GPU_REASON)
     for item in items:
         if item.get_closest_marker("gpu") is not None and not ON_GPU:  # not keywords: a folder named gpu is one
             item.add_marker(skip_gpu)

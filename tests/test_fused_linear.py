@@ -19,9 +19,12 @@ from grpo_kernels.fused_linear import fused_linear_grpo_loss
 from grpo_kernels.ops import linear_torch, linear_triton
 from reference import reference_grpo_loss
 
+from .conftest import needs_triton_cpu
+
 pytestmark = pytest.mark.usefixtures("nan_empty")  # an output element a kernel forgot to write is NaN
 
-BACKENDS = ["torch", "triton"]  # the CPU tiles; the Triton folds (interpreted here, compiled on a GPU)
+# the CPU tiles; the Triton folds on CPU tensors (interpreted, so skipped on a machine whose interpreter is off)
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_cpu)]
 PRODUCTION_TILES = {mod: (mod.TILE_ELEMENTS, mod.MIN_VOCAB_TILE) for mod in (linear_torch, linear_triton)}
 
 # Bounds from docs/loss.md, "Tolerances". fp32: loss/ℓ/H 1e-5 relative (1e-6 absolute); gradients 1e-5 of their max.

@@ -12,10 +12,10 @@ from grpo_kernels import GRPOLoss, fused_linear_grpo_loss, grpo_loss, selective_
 from grpo_kernels.config import LOSS_TYPES
 from reference import reference_grpo_loss, reference_selective_log_softmax
 
-from .conftest import HAS_TRITON_DEVICE
+from .conftest import needs_triton_cpu
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="no Triton"))]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_cpu)]  # CPU tensors: Triton under its interpreter
 B, T, V = 3, 5, 48  # rows of 192 bytes: equal rows are equally aligned, so their fp32 entropies tie exactly
 AGGREGATE_ONLY = {"entropy_coef", "num_items_in_batch", "max_completion_length"}
 
@@ -238,7 +238,7 @@ def test_float64_selective_log_softmax_and_fused_linear():
         torch.testing.assert_close(ours, exact, rtol=1e-12, atol=1e-12 * exact.abs().max().item())
 
 
-@pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="no Triton")
+@needs_triton_cpu
 def test_float64_is_refused_by_name_on_triton():
     logits, ids, tensors, _ = make_problem(dtype=torch.float64)
     with pytest.raises(TypeError, match="backend='triton' does not take float64 logits"):

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from grpo_kernels import grpo_loss, selective_log_softmax
 from reference import reference_selective_log_softmax
 
-from .conftest import HAS_TRITON_DEVICE
+from .conftest import needs_triton_cpu
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
 from .oracle_check import check_large_log_ratios, check_masked_inputs_are_absent, masked_sentinel_cases
 
 pytestmark = [
     pytest.mark.usefixtures("nan_empty"),
-    pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs a GPU or TRITON_INTERPRET=1"),
+    needs_triton_cpu,  # CPU tensors throughout: the interpreter runs them
 ]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 from grpo_kernels import grpo_loss
 from reference import reference_grpo_loss
 
+from .conftest import needs_triton_cpu
+
 B, T, V = 2, 4, 37  # 37 splits unevenly over 2 and 4 ranks
 
 OPTIONS = [
@@ -59,7 +61,7 @@ def _rank_main(rank: int, world: int, store: str, results: str, backend: str) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("world", "backend"), [(2, "torch"), (4, "torch"), (2, "triton")])
+@pytest.mark.parametrize(("world", "backend"), [(2, "torch"), (4, "torch"), pytest.param(2, "triton", marks=needs_triton_cpu)])
 def test_vocab_parallel_equals_unsharded_oracle(world, backend):
     # backend="triton": the shard partials kernel and the gradient kernel (interpreted on a CPU)
     with tempfile.TemporaryDirectory() as tmp:

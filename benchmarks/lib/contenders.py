@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,6 +15,7 @@ import torch
 from grpo_kernels.config import LossConfig
 
 from .workload import Inputs, Workload, objective
+
 
 def eager_loss(
     logits: torch.Tensor,
@@ -81,8 +84,14 @@ def _build_compile(w: Workload, device: str) -> Callable:
     def loss(logits, ids, advantages, mask, old_logp, ref_logp):
         return eager_loss(logits, ids, advantages, mask, old_logp, ref_logp, cfg)
 
-    compiled = torch.compile(loss)
-    return lambda logits, inp: compiled(logits, *inp.tensors)
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    compiled = torch.compile(loss, backend=backend)
+
+    def fn(logits: torch.Tensor, inp: Inputs) -> torch.Tensor:
+        return compiled(logits, *inp.tensors)
+
+    fn.note = "" if backend == "inductor" else f"torch.compile(backend={backend!r}), not inductor"  # type: ignore[attr-defined]
+    return fn
 
 
 def _build_trl(w: Workload, device: str) -> Callable:
@@ -170,13 +179,21 @@ def _build_ours(inplace: bool) -> Callable:
     return build
 
 
+# The order they are timed in, each recorded as soon as it is: ours first, so that a run cut short still has the
+# baseline; compile last, since its cold compile (20-60 s on the headline's graph) is the least predictable.
 CONTENDERS = {
     c.name: c
     for c in (
+        Contender("ours", "grpo_kernels.grpo_loss (backend='triton' on CUDA, 'torch' on CPU)", _build_ours(False)),
+        Contender(
+            "ours_inplace",
+            "grpo_kernels.grpo_loss(inplace_backward=True): the gradient overwrites the logits",
+            _build_ours(True),
+            inplace=True,
+        ),
         Contender(
             "eager", "PyTorch eager: logits.float().log_softmax(-1).gather + entropy + the loss math", _build_eager
         ),
-        Contender("compile", "torch.compile (default options) of the eager function", _build_compile),
         Contender(
             "trl",
             "TRL 1.16 trl.trainer.utils.selective_log_softmax_and_entropy (its Triton kernel on CUDA, chunked torch "
@@ -196,21 +213,50 @@ CONTENDERS = {
             full_buffer=True,
             cuda_only=True,
         ),
-        Contender("ours", "grpo_kernels.grpo_loss (backend='triton' on CUDA, 'torch' on CPU)", _build_ours(False)),
-        Contender(
-            "ours_inplace",
-            "grpo_kernels.grpo_loss(inplace_backward=True): the gradient overwrites the logits",
-            _build_ours(True),
-            inplace=True,
-        ),
+        Contender("compile", "torch.compile (default options) of the eager function", _build_compile),
     )
 }
 BASELINE = "ours"  # ratios in the tables are contender / ours
 
 
-# "contender" or "contender@B·T": that contender's calls raise a fake sticky CUDA error (at that shape), to test
-# the recovery on a machine without a GPU.
+# Faults, to test the recovery paths on a machine without a GPU: comma-separated "[kind:]contender[@B·T]" (at every
+# shape without "@B·T"). Kinds: "sticky" (the default), the contender's calls raise a fake sticky CUDA error (an
+# illegal memory access); "crash", the process timing it dies at its first call (SIGKILL, as from a segfault);
+# "hang", its first call never returns; "kill", the table's supervisor kills its own process group as the contender
+# starts, as the GPU check does to a phase at its deadline (runner.py).
 FAULT_ENV = "GRPO_BENCH_FAULT"
+FAULT_KINDS = ("sticky", "crash", "hang", "kill")
+# torch.compile's backend for the `compile` contender (default inductor); the dry run uses aot_eager, which traces
+# forward and backward as inductor does but generates no code (a cold inductor compile takes 25 s on a CPU).
+COMPILE_BACKEND_ENV = "GRPO_BENCH_COMPILE_BACKEND"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    contender: str
+    tokens: int | None  # B·T, or None: every shape
+
+
+def faults() -> list[Fault]:
+    """The faults FAULT_ENV asks for (a malformed entry is an error that names the variable)."""
+    out = []
+    for item in filter(None, (x.strip() for x in os.environ.get(FAULT_ENV, "").split(","))):
+        kind, _, rest = item.rpartition(":")
+        name, _, tokens = rest.partition("@")
+        kind = kind or "sticky"
+        if kind not in FAULT_KINDS or name not in CONTENDERS or (tokens and not tokens.isdigit()):
+            raise ValueError(
+                f"{FAULT_ENV}={os.environ[FAULT_ENV]!r}: {item!r} is not [kind:]contender[@B·T] with kind in "
+                f"{FAULT_KINDS} and contender in {tuple(CONTENDERS)}"
+            )
+        out.append(Fault(kind, name, int(tokens) if tokens else None))
+    return out
+
+
+def fault_at(name: str, tokens: int, kinds: tuple[str, ...]) -> Fault | None:
+    """The first fault of one of `kinds` for contender `name` at B·T = `tokens`, if any."""
+    return next((f for f in faults() if f.kind in kinds and f.contender == name and f.tokens in (None, tokens)), None)
 
 
 class _GradSink(torch.autograd.Function):
@@ -236,13 +282,12 @@ def make_step(contender: Contender, fn: Callable, inp: Inputs) -> Callable[[], t
     """
     anchor = torch.zeros((), device=inp.full.device, requires_grad=True)  # makes the sink's output require grad
 
-    name, _, at_tokens = os.environ.get(FAULT_ENV, "").partition("@")  # "contender" or "contender@B·T"
     batch, length, _ = inp.full.shape
-    fault = name == contender.name and at_tokens in ("", str(batch * (length - 1)))
+    fault = fault_at(contender.name, batch * (length - 1), ("sticky", "crash", "hang"))
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        if fault:
-            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (fake, from {FAULT_ENV})")
+        if fault is not None:
+            _inject(fault)
         sink: list[torch.Tensor] = []
         view = inp.full if contender.full_buffer else inp.full[:, :-1]
         logits = _GradSink.apply(view, anchor, sink)
@@ -252,3 +297,11 @@ def make_step(contender: Contender, fn: Callable, inp: Inputs) -> Callable[[], t
 
     return step
 
+
+def _inject(fault: Fault) -> None:
+    if fault.kind == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        while True:
+            time.sleep(1.0)
+    raise RuntimeError(f"CUDA error: an illegal memory access was encountered (fake, from {FAULT_ENV})")

@@ -243,4 +243,6 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 def write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # as write_json: a run killed mid-write leaves the previous complete file

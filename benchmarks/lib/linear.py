@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .contenders import ours_backend
 from . import harness
+from .contenders import ours_backend
 from .measure import Meter
 from .workload import SEQ_LEN, Workload, objective, reference_loss
 

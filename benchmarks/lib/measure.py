@@ -1,5 +1,5 @@
-"""Timing and peak memory of one call, and the in-process table of one shape: every contender warmed up, then
-timed in rounds that alternate them."""
+"""Timing and peak memory of one call, the device's ceilings, and one contender's row at one shape: warmed up, then
+timed, its record complete before the next contender starts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from . import harness
 from .contenders import CONTENDERS, make_step
-from .workload import DTYPES, Workload, make_inputs, split_tokens
+from .workload import Inputs
 
 
 class Meter:
@@ -109,6 +109,9 @@ def matmul_rate(device: str, n: int, dtype: torch.dtype, reps: int = 10) -> dict
             "TFLOPs": 2 * n**3 / (stats["median"] / 1e3) / 1e12}  # fmt: skip
 
 
+NOT_REACHED = "not_reached"  # the status of a row the run ended before (a kill, the budget): what a cut leaves
+
+
 def new_record(name: str, batch: int, length: int, vocab: int, dtype_name: str) -> dict[str, Any]:
     return {
         "contender": name,
@@ -160,106 +163,48 @@ class ContextBroken(Exception):
         self.contender, self.note = contender, note
 
 
-
-
-def bench_shape(
-    names: list[str],
-    excluded: dict[str, str],
-    shape: tuple[str, int, int],
-    w: Workload,
-    meter: Meter,
-    spec: dict[str, Any],
-    built: dict[str, Callable],
-) -> list[dict[str, Any]]:
-    """Warm every contender up (and record its loss and gradient norm), then time rounds; each round runs every
-    contender once, in an order rotated round by round, so drift and clock changes fall on all of them alike."""
-    dtype_name, vocab, tokens = shape
-    batch, length = split_tokens(tokens)
-    device = meter.device
-    records = {n: new_record(n, batch, length, vocab, dtype_name) for n in names}
-    active: list[str] = []
-    for n in names:
-        status, why = CONTENDERS[n].availability(device)
-        if n in excluded:
-            records[n].update(status="error", note=excluded[n])
-        elif status != "ok":
-            records[n].update(status=status, note=why)
-        elif n in built:
-            active.append(n)
-            records[n]["note"] = getattr(built[n], "note", "")
-        else:
-            records[n].update(status="error", note=built.get(f"!{n}", "could not be built"))  # type: ignore[arg-type]
-    inp = make_inputs(batch, length, vocab, DTYPES[dtype_name], device)
-    steps = {n: make_step(CONTENDERS[n], built[n], inp) for n in active}
-
-    def failed(n: str, err: BaseException) -> None:
-        fail(records[n], meter, err)
-        if meter.context_broken(err):
-            raise ContextBroken(n, records[n]["note"])
-        active.remove(n)
-        if CONTENDERS[n].inplace:
-            inp.refill()
-
-    est_ms: dict[str, float] = {}
-    for n in active.copy():  # failed() removes from `active`
-        err = None
-        try:
-            for i in range(spec["warmup"]):
-                ms, _, (loss, grad) = meter.call(steps[n])
-                if i == 0:
-                    records[n]["loss"] = float(loss)
-                    records[n]["grad_norm"] = grad_norm(grad)
-                del loss, grad
-                if CONTENDERS[n].inplace:
-                    inp.refill()
-                est_ms[n] = ms
-        except Exception as e:  # noqa: BLE001 - one contender's failure is a row of the table, not the end of the run
-            err = e
-        if err is not None:
-            failed(n, err)
-            del err
-            meter.free()
-    round_ms = sum(est_ms.get(n, 0.0) for n in active) or 1.0
-    n_reps = max(spec["min_reps"], min(spec["reps"], int(spec["shape_budget_s"] * 1e3 / round_ms)))
-    times: dict[str, list[float]] = {n: [] for n in active}
-    peaks: dict[str, int] = {n: 0 for n in active}
-    for r in range(n_reps):
-        order = active[r % len(active) :] + active[: r % len(active)] if active else []
-        for n in order:
-            err = None
-            try:
-                ms, peak, out = meter.call(steps[n])
-                del out
-                times[n].append(ms)
-                peaks[n] = max(peaks[n], peak)
-            except Exception as e:  # noqa: BLE001
-                err = e
-            if err is not None:
-                failed(n, err)
-                del err
-                meter.free()
-            elif CONTENDERS[n].inplace:
+def time_contender(
+    name: str, fn: Callable, inp: Inputs, meter: Meter, spec: dict[str, Any], rec: dict[str, Any]
+) -> dict[str, Any]:
+    """Warm one contender up (its first call records the loss and the gradient's norm), then time its calls, about
+    spec["contender_budget_s"] of them (between spec["min_reps"] and spec["reps"]). Fills `rec` and returns it; a
+    failure is the record's status and note, and raises ContextBroken when this process can run nothing more."""
+    contender = CONTENDERS[name]
+    step = make_step(contender, fn, inp)
+    times: list[float] = []
+    peak = 0
+    err: Exception | None = None
+    try:
+        est_ms = 0.0
+        for i in range(spec["warmup"]):
+            est_ms, _, (loss, grad) = meter.call(step)
+            if i == 0:
+                rec["loss"] = float(loss)
+                rec["grad_norm"] = grad_norm(grad)
+            del loss, grad
+            if contender.inplace:
                 inp.refill()
-    itemsize = DTYPES[dtype_name].itemsize
-    for n, rec in records.items():
-        if rec["status"] == "ok" and times.get(n):
-            rec["time_ms"] = harness.summarize_ms(times[n])
-            rec["peak_bytes"] = peaks[n]
-            rec["GBps"] = logits_bytes_moved(rec, itemsize) / (rec["time_ms"]["median"] / 1e3) / 1e9
-    steps.clear()
-    inp = None  # free the inputs before the allocator's cache
-    meter.free()
-    return [records[n] for n in names]
-
-
-def build_contenders(names: list[str], w: Workload, device: str) -> dict[str, Callable]:
-    built: dict[str, Callable] = {}
-    for n in names:
-        if CONTENDERS[n].availability(device)[0] != "ok":
-            continue
-        try:
-            built[n] = CONTENDERS[n].build(w, device)
-        except Exception as e:  # noqa: BLE001
-            built[f"!{n}"] = f"{type(e).__name__}: {e}"[:300]  # type: ignore[assignment]
-    return built
-
+        n_reps = max(spec["min_reps"], min(spec["reps"], int(spec["contender_budget_s"] * 1e3 / max(est_ms, 1e-3))))
+        for _ in range(n_reps):
+            ms, peak_i, out = meter.call(step)
+            del out
+            times.append(ms)
+            peak = max(peak, peak_i)
+            if contender.inplace:
+                inp.refill()
+    except Exception as e:  # noqa: BLE001 - one contender's failure is a row of the table, not the end of the run
+        err = e
+    if err is not None:
+        fail(rec, meter, err)
+        broken = meter.context_broken(err)
+        del err  # its traceback holds the call's tensors
+        if broken:
+            raise ContextBroken(name, rec["note"]) from None
+        if contender.inplace:
+            inp.refill()
+        meter.free()
+        return rec
+    rec["time_ms"] = harness.summarize_ms(times)
+    rec["peak_bytes"] = peak
+    rec["GBps"] = logits_bytes_moved(rec, inp.full.element_size()) / (rec["time_ms"]["median"] / 1e3) / 1e9
+    return rec

@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from . import harness
+from . import harness, traffic
 from .contenders import BASELINE
 from .workload import LOGIT_STD, SEQ_LEN
+
 
 def one_line(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
@@ -128,7 +129,8 @@ def to_markdown(payload: dict[str, Any]) -> str:
         "",
         (
             f"Workload: {_workload_line(payload['workload'])}. Time: median [p20, p80] of {payload['timing']}. "
-            f"Peak memory: {payload['peak_memory_method']}, so it includes the returned gradient unless in place. "
+            f"Peak memory: {payload.get('peak_memory_method', 'not measured yet')}, so it includes the returned "
+            "gradient unless in place. "
             "GB/s counts one read of the logits and one write of their gradient (2·B·T·V·itemsize bytes); "
             "'% copy' is that over the measured copy bandwidth. ×ours: median time and peak memory over ours' "
             "(below 1: less than ours). Δloss, Δ‖∂‖: relative difference of the loss and of the gradient's norm "
@@ -388,37 +390,55 @@ def linear_markdown(payload: dict[str, Any]) -> str:
 
 
 def traffic_markdown(payload: dict[str, Any]) -> str:
-    """The L2 question's table (benchmarks/lib/traffic.py): each schedule's time and implied traffic."""
+    """The L2 question's table (benchmarks/lib/traffic.py): each launch's time, bandwidth and fraction of the copy's."""
     caches = payload.get("caches") or {}
     lines = [
         f"# The L2 question on {payload['device']['name']}",
         "",
-        f"git {payload['git']}; {caches.get('multiprocessors', '–')} SMs, "
-        f"L2 {harness.fmt_bytes(caches.get('L2_bytes'))}."
-        " S = B·T·V·itemsize, the logits' bytes. Implied traffic: time × the copy rate measured beside it, in units"
-        " of S (an upper bound: a kernel waiting on anything else looks as if it moved more). Re-read from DRAM:"
-        " (t(stats then grad) − t(fused one read)) × copy rate / S, the share of the second read that missed L2.",
+        (
+            f"git {payload['git']}; {caches.get('multiprocessors', '–')} SMs, "
+            f"L2 {harness.fmt_bytes(caches.get('L2_bytes'))}. Single launches of the Triton launchers timed with CUDA "
+            "events (wall-clock on a CPU). S = B·T·V·itemsize, the logits' bytes. Bytes counted: the least each "
+            "launch must move (a re-read that hits L2 not counted); GB/s is that over the median time, '% copy' "
+            "that over the copy's GB/s at the same shape. A low figure says the launch is slower than memory allows, "
+            "not why: an issue-bound kernel runs as long with its re-read in L2 as in DRAM. The chunk rows answer "
+            "the question directly: the same gradient launch on the same rows, read cold (after a write of twice "
+            "L2's size) and warm (right after the statistics pass read them)."
+        ),
         "",
     ]
-    headers = ["dtype", "V", "B·T", "S", "schedule", "median ms", "[p20, p80]", "floor (S)", "implied (S)"]
+    headers = ["dtype", "V", "B·T", "launch", "median ms", "[p20, p80]", "bytes", "GB/s", "% copy", "programs", "note"]
     rows = []
     for shape in payload["shapes"]:
-        for name, r in shape.get("schedules", {}).items():
+        if shape.get("error"):
+            rows.append([shape["dtype"], shape["V"], shape["BT"], "–", *["–"] * 6,
+                         f"**error**: {shape['error'][:200]}".replace("|", "/")])  # fmt: skip
+        for r in shape["rows"]:
+            head = [shape["dtype"], shape["V"], shape["BT"], r["name"]]
+            if r["status"] != "ok":
+                rows.append([*head, "–", "–", harness.fmt_bytes(r["bytes"]), "–", "–", "–", f"**{r['status']}**: "
+                             f"{r['note']}".replace("|", "/")])  # fmt: skip
+                continue
             t = r["time_ms"]
-            implied = "–" if r["implied_S"] is None else f"{r['implied_S']:.2f}"
+            fraction = f"{100 * r['copy_fraction']:.0f}%" if r.get("copy_fraction") else "–"
+            programs = ", ".join(str(p) for p in r["programs"]) if r.get("programs") else "–"
             spread = f"[{t['p20']:.3f}, {t['p80']:.3f}]"
-            size = harness.fmt_bytes(shape["S_bytes"])
-            row = [shape["dtype"], shape["V"], shape["BT"], size, name, f"{t['median']:.3f}", spread]
-            rows.append([*row, f"{r['floor_S']:.0f}", implied])
-        for name, why in shape.get("errors", {}).items():
-            rows.append([shape["dtype"], shape["V"], shape["BT"], "–", name, "–", "–", "–", f"error: {why}"])
-    lines += [harness.markdown_table(headers, rows, "lrrrlrrrr"), ""]
+            rows.append([*head, f"{t['median']:.3f}", spread, harness.fmt_bytes(r["bytes"]), f"{r['GBps']:.1f}",
+                         fraction, programs, r["what"].replace("|", "/")])  # fmt: skip
+    lines += [harness.markdown_table(headers, rows, "lrrlrrrrrrl"), ""]
     for shape in payload["shapes"]:
-        if shape.get("reread_from_dram") is not None:
-            lines.append(
-                f"- {shape['dtype']}, V={shape['V']}, B·T={shape['BT']}: re-read from DRAM "
-                f"**{shape['reread_from_dram']:.2f} S**; copy rate {shape['copy_GBps']:.0f} GB/s."
+        ratios = [
+            (label, traffic.time_ratio(shape, a, b))
+            for label, a, b in (
+                ("fused [l2] / fused [sms]", "fused_token_grad [l2]", "fused_token_grad [sms]"),
+                ("fused [l2] / (row_stats + row_grad)", "fused_token_grad [l2]", "row_stats + row_grad"),
+                ("row_grad chunk warm / cold", "row_grad, chunk warm", "row_grad, chunk cold"),
             )
+        ]
+        said = [f"{label} {x:.2f}" for label, x in ratios if x is not None]
+        if said:
+            where = f"{shape['dtype']}, V={shape['V']}, B·T={shape['BT']}"
+            lines.append(f"- {where}: time ratios " + "; ".join(said) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -431,4 +451,21 @@ def ceilings_markdown(payload: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in payload["versions"].items())
         + f".\n\n- copy: **{bw['GBps']:.1f} GB/s** ({harness.fmt_bytes(bw['bytes'])} copied, bytes read + written)\n"
         f"- matrix product: **{mm['TFLOPs']:.1f} TFLOP/s** ({mm['n']}³, {mm['dtype']}, random values)\n"
+        + _warmup_lines(payload.get("warmup"))
     )
+
+
+def _warmup_lines(warm: dict[str, Any] | None) -> str:
+    """Our contenders' first calls in the env phase, which compiled their kernels for the headline phase."""
+    if not warm:
+        return ""
+    where = f"{warm['dtype']}, V={warm['V']}, B·T={warm['BT']}"
+    lines = []
+    for name in ("ours", "ours_inplace"):
+        r = warm.get(name, {})
+        if r.get("status") == "ok":
+            lines.append(f"- {name} warmed up at {where}: first call {r['first_call_s']:.1f} s (its kernels "
+                         f"compiled), second {1e3 * r['second_call_s']:.1f} ms\n")  # fmt: skip
+        else:
+            lines.append(f"- {name} warm-up at {where} failed: {r.get('note', 'not run')}\n")
+    return "".join(lines)

@@ -1,5 +1,6 @@
-"""Where the loss table runs: the GPU table in a supervised child process (one that a contender's broken CUDA context
-costs its own rows, not the run), the CPU table in a fresh process per contender, shape and round.
+"""Where the loss table runs: the GPU table in a supervised child process, each row written as soon as it is timed (a
+contender that breaks the CUDA context or its process costs its own row, not the run), the CPU table in a fresh
+process per contender, shape and round.
 
     python -m benchmarks.lib.runner --shape-worker SPEC_JSON   # the child of `run_supervised`
     python -m benchmarks.lib.runner --worker SPEC_JSON         # the child of `run_cpu`
@@ -10,9 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,9 +25,18 @@ from typing import Any
 import torch
 
 from . import harness, report
-from .contenders import CONTENDERS, make_step
-from .measure import ContextBroken, Meter, bench_shape, build_contenders, copy_bandwidth, fail, grad_norm, new_record
-from .measure import logits_bytes_moved
+from .contenders import CONTENDERS, faults, make_step
+from .measure import (
+    NOT_REACHED,
+    ContextBroken,
+    Meter,
+    copy_bandwidth,
+    fail,
+    grad_norm,
+    logits_bytes_moved,
+    new_record,
+    time_contender,
+)
 from .workload import DTYPES, Workload, make_inputs, reference_loss, split_tokens
 
 
@@ -37,9 +51,13 @@ def _emit(kind: str, data: Any) -> None:
     print(f"@@{kind} {json.dumps(data)}", flush=True)
 
 
+Key = tuple[str, int, int, str]  # (dtype, V, B·T, contender): one row of the table
+
+
 def shape_worker(spec: dict[str, Any]) -> int:
-    """The GPU table's process (also --dry-run's, on the CPU): every remaining shape, every contender, alternating.
-    Reports each finished shape to the supervisor on stdout as it goes."""
+    """The GPU table's process (also --dry-run's, on the CPU): the rows of spec["todo"], shape by shape, each
+    contender in CONTENDERS order. Says which row it starts (@@START) and sends each row as soon as it is timed
+    (@@RECORD), so the supervisor writes it before the next contender starts."""
     device = spec["device"]
     if device == "cpu":
         torch.set_num_threads(spec["threads"])
@@ -48,99 +66,213 @@ def shape_worker(spec: dict[str, Any]) -> int:
     excluded: dict[str, str] = spec["excluded"]
     if spec["measure_copy"]:
         _emit("COPY", {"copy_bandwidth": copy_bandwidth(device, spec["copy_bytes"]), "peak_method": meter.peak_method})
-    built = build_contenders([n for n in spec["contenders"] if n not in excluded], w, device)
-    for dtype_name, vocab, tokens in spec["shapes"]:
-        shape = (dtype_name, vocab, tokens)
+    todo = [tuple(k) for k in spec["todo"]]
+    built: dict[str, Any] = {}  # contender -> its function, or the text of why it could not be built
+    for shape in dict.fromkeys(k[:3] for k in todo):
+        dtype_name, vocab, tokens = shape
         batch, length = split_tokens(tokens)
         need = batch * (length + 1) * vocab * DTYPES[dtype_name].itemsize
         free = meter.free_bytes()
-        skip = None
-        if time.time() > spec["deadline"]:
-            skip = f"not run: the run's time budget ({spec['budget_s']:.0f} s) was spent"
-        elif free is not None and need > 0.9 * free:
-            skip = f"not run: the inputs ({harness.fmt_bytes(need)}) don't fit ({harness.fmt_bytes(free)} free)"
-        if skip:
-            recs = [new_record(n, batch, length, vocab, dtype_name) for n in spec["contenders"]]
-            for r in recs:
-                r.update(status="skipped", note=skip)
-        else:
-            t0 = time.perf_counter()
-            try:
-                recs = bench_shape(spec["contenders"], excluded, shape, w, meter, spec, built)
-            except ContextBroken as e:
-                _emit("BROKEN", {"shape": shape, "contender": e.contender, "note": e.note})
-                os._exit(3)  # no teardown: it would touch the broken context
-            print(f"[{dtype_name} V={vocab} BT={tokens}] {time.perf_counter() - t0:.1f} s", flush=True)
-            for r in recs:
-                print("   ", report.one_line(r), flush=True)
-        _emit("SHAPE", {"shape": shape, "records": recs})
+        too_big = free is not None and need > 0.9 * free
+        inp = None
+        for name in (k[3] for k in todo if k[:3] == shape):
+            _emit("START", {"key": [*shape, name]})
+            rec = new_record(name, batch, length, vocab, dtype_name)
+            status, why = CONTENDERS[name].availability(device)
+            if name in excluded:
+                rec.update(status="error", note=excluded[name])
+            elif status != "ok":
+                rec.update(status=status, note=why)
+            elif too_big:
+                note = f"not run: the inputs ({harness.fmt_bytes(need)}) don't fit ({harness.fmt_bytes(free)} free)"
+                rec.update(status="skipped", note=note)
+            else:
+                if name not in built:  # built when first needed: a slow import (trl) delays no contender before it
+                    try:
+                        built[name] = CONTENDERS[name].build(w, device)
+                    except Exception as e:  # noqa: BLE001
+                        built[name] = f"{type(e).__name__}: {e}"[:300]
+                if isinstance(built[name], str):
+                    rec.update(status="error", note=built[name])
+                else:
+                    rec["note"] = getattr(built[name], "note", "")
+                    if inp is None:
+                        inp = make_inputs(batch, length, vocab, DTYPES[dtype_name], device)
+                    try:
+                        time_contender(name, built[name], inp, meter, spec, rec)
+                    except ContextBroken as e:
+                        _emit("RECORD", {"record": rec})
+                        _emit("BROKEN", {"key": [*shape, name], "note": e.note})
+                        os._exit(3)  # no teardown: it would touch the broken context
+            _emit("RECORD", {"record": rec})
+        inp = None  # free the inputs before the allocator's cache
+        meter.free()
     return 0
 
 
-def run_supervised(args: argparse.Namespace, w: Workload, payload: dict[str, Any], out_stem: Path) -> None:
-    """Run the table in a child process, shape by shape. If a contender breaks the CUDA context, a new child goes on
-    from that shape without it (its rows say why), so one faulty kernel costs its own rows, not the run."""
-    shapes = [tuple(s) for s in args.shapes]
-    done: set[tuple] = set()
-    excluded: dict[str, str] = {}
+def _key(rec: dict[str, Any]) -> Key:
+    return rec["dtype"], rec["V"], rec["BT"], rec["contender"]
+
+
+def _kill_own_group() -> None:
+    """The GPU check's deadline, simulated (FAULT_ENV kind "kill"): SIGKILL to this process's group, as gpu_check.py
+    sends to a phase, when this process leads its group; else to itself alone (so that bench_loss.py run directly
+    cannot take its caller's group down; its worker then ends at its next write to the closed pipe)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_text(rc: int | None) -> str:
+    if rc is not None and rc < 0:
+        return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def run_supervised(
+    args: argparse.Namespace,
+    w: Workload,
+    payload: dict[str, Any],
+    out_stem: Path,
+    command: Callable[[dict[str, Any]], tuple[list[str], dict[str, str]]] | None = None,
+) -> None:
+    """Run the table's rows in a child process (`command(spec)`, by default `shape_worker` in a fresh Python), each
+    row written to the results as soon as the child sends it. Every row is in the results from the start, as
+    "not reached", so a run killed at any moment leaves a valid table: the rows timed so far, the others marked.
+
+    A contender that breaks the CUDA context, kills its process (a crash) or outlives --contender-timeout-s costs its
+    own row: a new child goes on with the rows left, without that contender (its later rows say why). At
+    --budget-s the child is stopped wherever it is, and the rows left say so."""
+    command = command or (lambda spec: child_command("--shape-worker", spec))
     t_start = time.perf_counter()
     deadline = time.time() + args.budget_s
-    while len(done) < len(shapes):
+    rows: dict[Key, dict[str, Any]] = {}
+    for dtype_name, vocab, tokens in (tuple(s) for s in args.shapes):
+        batch, length = split_tokens(tokens)
+        for name in args.contenders:
+            rec = new_record(name, batch, length, vocab, dtype_name)
+            rec.update(status=NOT_REACHED, note="not reached: the run was stopped before this contender was timed")
+            rows[_key(rec)] = rec
+            payload["records"].append(rec)
+    report.finish(payload, out_stem, png=False)
+    excluded: dict[str, str] = {}
+    kills = [f for f in faults() if f.kind == "kill"]
+    why_left = "not reached: the benchmark process ended before this contender"
+    for attempt in range(len(args.contenders) + 1):  # each new child follows a contender that cost its own row
+        todo = [k for k, r in rows.items() if r["status"] == NOT_REACHED]
+        if not todo:
+            break
         spec = {
             "device": args.device,
-            "contenders": args.contenders,
             "excluded": excluded,
-            "shapes": [s for s in shapes if s not in done],
+            "todo": todo,
             "workload": asdict(w),
             "measure_copy": "copy_bandwidth" not in payload,
             "copy_bytes": args.copy_bytes,
-            "deadline": deadline,
-            "budget_s": args.budget_s,
             "reps": args.reps,
             "min_reps": args.min_reps,
             "warmup": args.warmup,
-            "shape_budget_s": args.shape_budget_s,
+            "contender_budget_s": args.contender_budget_s,
             "threads": args.threads,
         }
-        cmd, env = child_command("--shape-worker", spec)
-        broken = None
-        with subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
-        ) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if not line.startswith("@@"):
-                    print(line, end="", flush=True)
-                    continue
-                kind, data = line[2:].split(" ", 1)
-                data = json.loads(data)
-                if kind == "COPY":
-                    payload["copy_bandwidth"] = data["copy_bandwidth"]
-                    payload["peak_memory_method"] = data["peak_method"]
-                elif kind == "SHAPE":
-                    payload["records"].extend(data["records"])
-                    done.add(tuple(data["shape"]))
-                    report.finish(payload, out_stem, png=False)  # a run cut short still leaves every shape done so far
-                elif kind == "BROKEN":
-                    broken = data
-        if broken is not None:
-            dtype_name, vocab, tokens = broken["shape"]
-            excluded[broken["contender"]] = (
-                f"left out from {dtype_name} V={vocab} B·T={tokens} on: it broke the CUDA context there "
-                f"({broken['note'][:160]})"
-            )
-            payload["notes"].append(f"{broken['contender']} broke the CUDA context: {broken['note']}")
-            continue
-        if proc.returncode != 0 or len(done) < len(shapes):
-            note = f"not run: the benchmark process exited with code {proc.returncode} before this shape"
-            for dtype_name, vocab, tokens in (s for s in shapes if s not in done):
-                batch, length = split_tokens(tokens)
-                for n in args.contenders:
-                    rec = new_record(n, batch, length, vocab, dtype_name)
-                    rec.update(status="error", note=note)
-                    payload["records"].append(rec)
+        child = _Child(*command(spec))
+        for kind, data in child.messages(deadline, args.contender_timeout_s or None):
+            if kind == "COPY":
+                payload["copy_bandwidth"] = data["copy_bandwidth"]
+                payload["peak_memory_method"] = data["peak_method"]
+            elif kind == "START":
+                key = tuple(data["key"])
+                if any(f.contender == key[3] and f.tokens in (None, key[2]) for f in kills):
+                    _kill_own_group()
+            elif kind == "RECORD":
+                rec = rows[_key(data["record"])]
+                rec.clear()
+                rec.update(data["record"], process=attempt)
+                report.finish(payload, out_stem, png=False)
+                print(f"[{rec['dtype']} V={rec['V']} BT={rec['BT']}] written:", report.one_line(rec), flush=True)
+        culprit = None if child.running is None else rows[child.running]
+        if child.ended == "deadline":
+            why_left = f"not reached: the run's time budget ({args.budget_s:.0f} s) was spent before it"
+            if culprit is not None:
+                culprit["note"] = f"not reached: the run's time budget ({args.budget_s:.0f} s) ran out while it ran"
             break
+        if culprit is None:  # the child finished its rows, or died between two of them
+            if child.rc != 0:
+                why_left = f"not reached: the benchmark process ended ({_exit_text(child.rc)}) before this contender"
+                payload["notes"].append(f"the benchmark process ended with {_exit_text(child.rc)} between two rows")
+            break
+        if child.ended == "timeout":
+            note = f"timed out: still running after {args.contender_timeout_s:.0f} s, its process was killed"
+        elif child.broken is not None:
+            note = culprit["note"]  # the child sent the row with the error that broke the context
+        else:
+            note = f"its process died ({_exit_text(child.rc)}) while it was being timed"
+        culprit.update(status="error", note=note, process=attempt)
+        dtype_name, vocab, tokens, name = child.running
+        excluded[name] = f"left out from {dtype_name} V={vocab} B·T={tokens} on: {note[:200]}"
+        payload["notes"].append(f"{name} at {dtype_name} V={vocab} B·T={tokens}: {note}; a new process went on")
+        report.finish(payload, out_stem, png=False)
+    for rec in rows.values():
+        if rec["status"] == NOT_REACHED and rec["note"].startswith("not reached: the run was stopped"):
+            rec["note"] = why_left
     payload["wall_s"] = time.perf_counter() - t_start
+    report.finish(payload, out_stem, png=False)
+
+
+class _Child:
+    """One worker process: its protocol lines (`messages`), the row it was timing when it ended (`running`), how it
+    ended (`ended`: "exit", "deadline" or "timeout": killed by the supervisor) and its exit code."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        # The same process group as the supervisor: the GPU check's kill of a phase reaches the worker too.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     errors="replace", env=env)  # fmt: skip
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.running: Key | None = None
+        self.broken: dict[str, Any] | None = None
+        self.ended = "exit"
+        self.rc: int | None = None
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def messages(self, deadline: float, contender_timeout_s: float | None) -> Iterator[tuple[str, Any]]:
+        """The child's @@ messages as they come (its other output is echoed), until it exits or is killed: at the
+        wall-clock `deadline`, or when one row has run for `contender_timeout_s`."""
+        started = time.time()
+        while True:
+            timeout_first = bool(self.running and contender_timeout_s and started + contender_timeout_s < deadline)
+            limit = started + contender_timeout_s if timeout_first else deadline  # type: ignore[operator]
+            try:
+                line = self.lines.get(timeout=max(0.0, limit - time.time()))
+            except queue.Empty:
+                self.ended = "timeout" if timeout_first else "deadline"
+                self.proc.kill()
+                break
+            if line is None:
+                break
+            try:
+                kind, text = line[2:].split(" ", 1) if line.startswith("@@") else ("", "")
+                data = json.loads(text) if kind else None
+            except ValueError:  # a message cut short (the child killed mid-line): output, not a message
+                kind = ""
+            if not kind:
+                print(line, end="", flush=True)
+                continue
+            if kind == "START":
+                self.running, started = tuple(data["key"]), time.time()
+            elif kind == "RECORD":
+                self.running = None
+            elif kind == "BROKEN":
+                self.broken = data
+            yield kind, data
+        self.rc = self.proc.wait()
+        if self.broken is not None:
+            self.running = tuple(self.broken["key"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
