@@ -100,7 +100,7 @@ def test_every_command_runs_from_the_checkout_with_the_venv_named():
     """A shell has no `grpo-kernels`, `torchrun` or the venv's `python` until the venv is activated: every command
     names it (or is the one that makes it), and every install is of this checkout (`-e .` or `-e '.[extra]'`, the
     extra one of pyproject.toml's), never of a package index."""
-    assert len(BASH) >= 5
+    assert len(BASH) >= 4  # the setup, the trainer, the TRL check, the launchers (not vacuous)
     for section, _, code in BASH:
         for words in commands(code):
             program = words[0]
@@ -132,7 +132,7 @@ def test_every_trainer_command_parses_and_says_what_it_needs():
     from grpo_kernels.trainer.config import TrainConfig
 
     found = trainer_commands()
-    assert len(found) >= 4
+    assert len(found) >= 3  # the trainer, reasoning-gym (or, before, the launchers): not vacuous
     for section, before, argv in found:
         args = build_parser().parse_args(["train", *argv])
         cfg = TrainConfig.from_flat({k: v for k, v in vars(args).items() if k != "command"})
