@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import sys
 from dataclasses import fields, replace
 from typing import Any
@@ -17,14 +19,23 @@ from .trainer.demo import DemoConfig, default_grpo_config, run_demo
 
 _TYPES = {"int": int, "float": float, "str": str}
 TRAIN_EPILOG = f"""datasets: --dataset takes {DATA_FORMATS}.
-  Each row holds a prompt (--prompt-column) and what the rewards need: the gold answer (--answer-column) for
-  accuracy, the test code (--tests-column) for code; other columns reach the reward functions as keyword arguments.
+  Each row holds a prompt (--prompt-column: text or a list of chat messages) and what the rewards need: the gold
+  answer (--answer-column) for accuracy, the tests (--tests-column) for code, and for a reward of your own each
+  argument it declares without a default. Every row is checked before the model loads; the first bad one stops
+  the run, named by its line. Every column reaches the rewards as a keyword argument under its own name, the
+  prompt's included, and the answer and tests columns also as answer= and tests=.
+  reasoning-gym:NAME[,NAME...] generates --num-examples per task from --seed (pip install -e '.[reasoning-gym]');
+  its prompt is 'question', and the accuracy reward is each task's own scorer on the <answer> block.
 
 rewards of your own: --reward-funcs myrewards:digit_reward,format calls digit_reward from ./myrewards.py (the
   current folder comes first), as digit_reward(completions, **columns) -> list[float | None].
 
 runs: a folder that already holds a run is refused unless --resume (continue from its newest complete checkpoint)
-  or --overwrite (replace it). Ctrl-C stops after the step in progress and saves a checkpoint of it."""
+  or --overwrite (replace it). Ctrl-C or SIGTERM (preemption) stops after the step in progress and saves a
+  checkpoint of it (exit code 130 or 143); a second one stops at once, leaving the last complete checkpoint.
+
+completions: every logging step appends --log-completions of them to completions.jsonl, with their prompt,
+  each reward's value and their advantage; the console shows the best and the worst."""
 
 
 def _optional(convert: Any) -> Any:
@@ -87,45 +98,91 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .trainer.data import LoadError
-    from .trainer.rundir import StorageError
+    from .trainer.errors import USER_ERRORS, PeerError, StorageError
+    from .trainer.preempt import Terminated, terminate_raises
+
+    def report(text: str) -> None:  # under torchrun rank 0 reports for all; every rank exits with the same code
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"grpo-kernels {args.command}: {text}", file=sys.stderr)
 
     try:
-        if args.command == "train":
-            return _train(args)
-        return _demo(args)
-    except (ValueError, FileNotFoundError, LoadError, StorageError) as err:
-        print(f"grpo-kernels {args.command}: error: {err}", file=sys.stderr)
+        with terminate_raises():
+            return _train(args) if args.command == "train" else _demo(args)
+    except PeerError as err:  # another rank failed: its message, or its traceback (a bug) is above
+        report(f"error: {name_flags(str(err))}" if err.code == 2 else f"{err}; its traceback is above")
+        return err.code
+    except USER_ERRORS as err:
+        found = _last_checkpoint(args)
+        saved = f"; {found}" if isinstance(err, StorageError) and found else ""
+        report(f"error: {name_flags(str(err))}{saved}")
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step
-        print(f"grpo-kernels {args.command}: interrupted; {_last_checkpoint(args)}", file=sys.stderr)
+        report(f"interrupted (SIGINT); {_last_checkpoint(args) or 'no checkpoint was written'}")
         return 130
+    except Terminated:  # a second SIGTERM, or one before the first step
+        report(f"terminated (SIGTERM); {_last_checkpoint(args) or 'no checkpoint was written'}")
+        return 143
 
 
 def _last_checkpoint(args: argparse.Namespace) -> str:
     from .trainer.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(args.output_dir) if args.command == "train" else None
-    return f"last checkpoint: {found} (continue with --resume)" if found else "no checkpoint was written"
+    return f"last checkpoint: {found} (continue with --resume)" if found else ""
+
+
+def option_names() -> list[str]:
+    """Every name a flag of `train` is made from: the config's fields and the loss options."""
+    return [f.name for f in fields(TrainConfig) if f.name != "loss"] + loss_options()
+
+
+def name_flags(message: str) -> str:
+    """An error message with the config's field names written as the flags the user typed (`num_generations` ->
+    `--num-generations`, `device='x'` -> `--device 'x'`). Quoted text (paths, values, columns) is left as it is; a
+    one-word name is a flag only where it starts a clause ("beta must be >= 0", "resume and overwrite ...")."""
+    names = sorted(option_names(), key=len, reverse=True)
+    joined = [n for n in names if "_" in n]
+    single = [n for n in names if "_" not in n]
+    patterns = [
+        re.compile(r"(?<![\w./-])(" + "|".join(joined) + r")(?![\w/-])(=?)"),
+        re.compile(r"(?:^|(?<=and )|(?<=, ))(" + "|".join(single) + r")(?= must\b| and | exclude\b|=)(=?)"),
+    ]
+
+    def flag(match: re.Match) -> str:
+        return "--" + match.group(1).replace("_", "-") + (" " if match.group(2) else "")
+
+    parts = re.split(r"((?<!\w)'[^']*'|(?<!\w)\"[^\"]*\")", message)  # an apostrophe (GRPO's) quotes nothing
+    for i in range(0, len(parts), 2):  # the even parts are outside quotes
+        for pattern in patterns:
+            parts[i] = pattern.sub(flag, parts[i])
+    return "".join(parts)
 
 
 def _train(args: argparse.Namespace) -> int:
     from .trainer import train
+    from .trainer.preempt import exit_code
 
     cfg = TrainConfig.from_flat({k: v for k, v in vars(args).items() if k != "command"})
     if not cfg.model or not cfg.dataset:
         raise ValueError("train needs --model (a folder or hub id) and --dataset (a file or hub dataset name)")
     result = train(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports for all
-        return 0
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports for all
     if result.interrupted:
-        step = result.records[-1]["step"] if result.records else 0
-        print(f"interrupted after step {step} of {cfg.max_steps}; {_last_checkpoint(args)}", file=sys.stderr)
-        return 130
+        if rank0:
+            step = result.records[-1]["step"] if result.records else 0
+            name = signal.Signals(result.signal).name
+            print(
+                f"{name}: stopped after step {step} of {cfg.max_steps}; {_last_checkpoint(args)}", file=sys.stderr
+            )
+        return exit_code(result.signal)
+    if not rank0:
+        return 0
     last = result.records[-1] if result.records else {}
     print(f"trained {len(result.records)} steps; last reward {last.get('reward', float('nan')):.3f}")
     print(f"adapter: {result.adapter_dir}")
     print(f"metrics: {result.output_dir / 'metrics.jsonl'}")
+    if cfg.log_completions:
+        print(f"completions: {result.output_dir / 'completions.jsonl'}")
     if result.plot_path:
         print(f"plot: {result.plot_path}")
     return 0

@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import math
+import numbers
 import os
 import re
 import threading
@@ -363,13 +364,82 @@ def reward_name(func: RewardFunc) -> str:
     return name.removesuffix("_reward")
 
 
+def reward_label(func: RewardFunc) -> str:
+    """A reward as the user names it: `accuracy` for a built-in one, `module:function` for one of their own (or
+    the function's `reward_label` attribute, where it has one)."""
+    if isinstance(getattr(func, "reward_label", None), str):
+        return func.reward_label
+    module = getattr(func, "__module__", None)
+    if module == __name__ or module is None:
+        return reward_name(func)
+    return f"{module}:{getattr(func, '__qualname__', reward_name(func))}"
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than one number (or None) per completion; the
+    message names the reward."""
+
+
+def call_reward(func: RewardFunc, completions: Sequence[Any], **columns: Any) -> list[float]:
+    """`func(completions, **columns)`, checked: one real number or None per completion. Returns floats, NaN where
+    the reward does not apply (None, or NaN). Anything else is a `RewardError` naming the reward."""
+    label = reward_label(func)
+    try:
+        values = func(completions, **columns)
+    except RewardError:
+        raise
+    except Exception as err:
+        raise RewardError(f"reward {label} raised {type(err).__name__}: {err}{_where(err, func)}") from err
+    if hasattr(values, "tolist") and not isinstance(values, (str, bytes)):  # a numpy array or a tensor
+        values = values.tolist()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise RewardError(
+            f"reward {label} returned a {type(values).__name__}, not a list of one number (or None) per completion"
+        )
+    if len(values) != len(completions):
+        raise RewardError(f"reward {label} returned {len(values)} values for {len(completions)} completions")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # a 0-d tensor or numpy array
+            v = v.item()
+        if not isinstance(v, numbers.Real):
+            raise RewardError(
+                f"reward {label} returned {v!r:.60} (a {type(v).__name__}) for completion {i + 1} of "
+                f"{len(values)}: each value must be a number, or None where the reward does not apply"
+            )
+        v = float(v)
+        if math.isinf(v):
+            raise RewardError(
+                f"reward {label} returned {v} for completion {i + 1} of {len(values)}: rewards must be finite "
+                "(None where the reward does not apply)"
+            )
+        out.append(v)
+    return out
+
+
+def _where(err: BaseException, func: RewardFunc) -> str:
+    """` (at file.py:12)`: the innermost frame of the error's traceback, where the reward failed; or, when the
+    call itself failed (arguments the reward does not take), where the reward is defined."""
+    tb = err.__traceback__
+    if tb is not None and tb.tb_next is not None:  # the first frame is call_reward's
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        return f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
+    code = getattr(func, "__code__", None)
+    return f" (defined at {os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else ""
+
+
 def combine_rewards(
     funcs: Sequence[RewardFunc],
     completions: Sequence[Any],
     weights: Sequence[float] | None = None,
     **columns: Any,
 ) -> tuple[list[float], list[list[float]]]:
-    """Score `completions` with every function and combine them: Σ_f w_f · r_f over the applicable ones.
+    """Score `completions` with every function (`call_reward`) and combine them: Σ_f w_f · r_f over the applicable
+    ones.
 
     Returns:
         (total, per_func): total[i] is the weighted sum over the functions that apply to sample i (0.0 when none
@@ -378,13 +448,6 @@ def combine_rewards(
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"reward weights must have one entry per reward function ({len(funcs)}), got {len(weights)}")
-    per_func: list[list[float]] = []
-    for func in funcs:
-        values = func(completions, **columns)
-        if len(values) != len(completions):
-            raise ValueError(
-                f"reward function {reward_name(func)} returned {len(values)} values for {len(completions)} completions"
-            )
-        per_func.append([math.nan if v is None else float(v) for v in values])
+    per_func = [call_reward(func, completions, **columns) for func in funcs]
     total = [sum(w * v[i] for w, v in zip(weights, per_func) if not math.isnan(v[i])) for i in range(len(completions))]
     return total, per_func

@@ -25,7 +25,7 @@ STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "train_config.json"
 COMPLETE_MARKER = "checkpoint_complete"  # written last: a checkpoint without it does not count
-TMP_PREFIXES = (".tmp-checkpoint-", ".deleting-checkpoint-")
+TMP_PREFIXES = (".tmp-", ".deleting-")  # what a save or a deletion writes before renaming it into place
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,7 +43,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     for path in folder.iterdir():
         with open(path, "rb") as f:
             os.fsync(f.fileno())
@@ -79,9 +79,9 @@ def save_checkpoint(
         }
         torch.save(state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
-        _fsync_tree(tmp)  # every file is on disk before the marker says so
+        fsync_tree(tmp)  # every file is on disk before the marker says so
         (tmp / COMPLETE_MARKER).write_text(f"{step}\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():  # only when a run re-saves a step it already saved
             remove_checkpoint(final)
         os.replace(tmp, final)
@@ -106,7 +106,7 @@ def remove_partial_checkpoints(output_dir: str | os.PathLike) -> None:
     """Delete what a killed run was writing or deleting (call before training into `output_dir`)."""
     for prefix in TMP_PREFIXES:
         for tmp in Path(output_dir).glob(f"{prefix}*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def is_complete(folder: Path) -> bool:

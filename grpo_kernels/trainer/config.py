@@ -52,6 +52,7 @@ HARMLESS_FIELDS = (
     "logging_steps",
     "plot",
     "zero_variance_warning_steps",
+    "log_completions",
 )
 # Fields that set the learning-rate schedule or the optimizer: a change rebuilds both
 SCHEDULE_FIELDS = (
@@ -66,7 +67,8 @@ SCHEDULE_FIELDS = (
 )
 DATA_FORMATS = (
     "a local .jsonl (one JSON object per line), .json (a list of objects, or JSON lines), .csv (a header row) or "
-    ".parquet file, or a Hugging Face hub dataset name"
+    ".parquet file, a Hugging Face hub dataset name, or reasoning-gym:NAME[,NAME...] (procedural tasks, generated "
+    "in memory; the reasoning-gym extra)"
 )
 
 
@@ -88,7 +90,10 @@ class TrainConfig:
     dataset: str = _help(DATA_FORMATS, "")
     dataset_config: str | None = _help("the dataset's configuration name (hub datasets)", None)
     dataset_split: str = _help("the split to train on", "train")
-    prompt_column: str = _help("column holding the question", "prompt")
+    num_examples: int | None = _help(
+        "reasoning-gym: examples generated per task, from --seed (default: 1000); other datasets use every row", None
+    )
+    prompt_column: str = _help("column holding the prompt: text, or a list of chat messages", "prompt")
     answer_column: str = _help("column holding the gold answer (for accuracy_reward)", "answer")
     tests_column: str = _help("column holding the test code (for code_reward)", "tests")
     system_prompt: str = _help('"r1" (DeepSeek-R1\'s prompt), "none", or the literal text of a system prompt', "r1")
@@ -155,6 +160,11 @@ class TrainConfig:
         "warn once when every group's rewards are equal for this many steps in a row (0: never)", 10
     )
     plot: bool = _help("write training_curves.png at the end", True)
+    log_completions: int = _help(
+        "completions appended to completions.jsonl at every logging step, with their prompt, rewards and advantage; "
+        "the console shows the best and the worst of them (0: none)",
+        4,
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
@@ -187,8 +197,10 @@ class TrainConfig:
             "max_grad_norm",
             "logging_steps",
             "zero_variance_warning_steps",
+            "log_completions",
         ):
             check(getattr(self, name) >= 0, name, ">= 0")
+        check(self.num_examples is None or self.num_examples >= 1, "num_examples", ">= 1")
         check(self.temperature > 0, "temperature", "> 0")
         check(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         check(self.learning_rate > 0, "learning_rate", "> 0")

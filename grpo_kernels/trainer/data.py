@@ -1,24 +1,30 @@
-"""Prompt data for the trainer: load a local file or a hub dataset, map its columns, render prompts.
+"""Prompt data for the trainer: load a local file, a hub dataset or a task suite, check every row, render prompts.
 
-Rows become plain dicts with `prompt` (the question), and `answer` / `tests` where the dataset has them; every other
-column rides along and reaches the reward functions as a keyword argument, as in TRL.
+Rows stay as the dataset has them, plain dicts under the dataset's own column names; every column reaches the
+reward functions as a keyword argument, as in TRL, the prompt's own included, and the answer and tests columns also
+as `answer` and `tests` (what the built-in rewards take).
 """
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import os
 import socket
 import sys
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..rewards import RewardFunc, accuracy_reward, code_reward, get_reward_funcs, reward_name
+from ..rewards import RewardFunc, accuracy_reward, get_reward_funcs
 from .config import TrainConfig
+from .errors import LoadError
+from .rowcheck import REWARD_ARGUMENTS, Columns, check_rows
+from .suites import DEFAULT_NUM_EXAMPLES, is_suite, load_suite
 
 # DeepSeek-R1-Zero's template (arXiv:2501.12948, Table 1); the question follows it.
 R1_SYSTEM_PROMPT = (
@@ -27,10 +33,6 @@ R1_SYSTEM_PROMPT = (
     "process and answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
     "<think> reasoning process here </think> <answer> answer here </answer>."
 )
-
-
-class LoadError(RuntimeError):
-    """A model or dataset could not be loaded; the message says what was tried and what to do."""
 
 
 def hub_offline() -> bool:
@@ -56,42 +58,78 @@ def _hub_offline() -> bool:
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_rows(
-    dataset: str,
-    *,
-    split: str = "train",
-    config_name: str | None = None,
-    prompt_column: str = "prompt",
-    answer_column: str = "answer",
-    tests_column: str = "tests",
-    reward_funcs: Sequence[RewardFunc] = (),
-) -> list[dict[str, Any]]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file or a hub dataset, with columns renamed to prompt/answer/tests.
-    A reward of `reward_funcs` that needs a column the dataset lacks is an error (`check_reward_columns`)."""
+@dataclass
+class TrainData:
+    """The rows a run trains on, as the dataset has them (every column under its own name), which columns hold the
+    prompt, answer and tests, and the reward functions that score them (a task suite brings its own accuracy)."""
+
+    rows: list[dict[str, Any]]
+    columns: Columns
+    reward_funcs: list[RewardFunc]
+
+
+def load_data(cfg: TrainConfig, reward_funcs: Sequence[RewardFunc]) -> TrainData:
+    """The dataset `cfg` names, every row checked (`check_rows`): a local file, a hub dataset, or a
+    reasoning-gym task suite."""
+    funcs = list(reward_funcs)
+    if is_suite(cfg.dataset):
+        for flag, value in (("--prompt-column", cfg.prompt_column), ("--answer-column", cfg.answer_column)):
+            if value != _DEFAULT_COLUMNS[flag]:
+                raise ValueError(
+                    f"{flag} does not apply to --dataset {cfg.dataset!r}: reasoning-gym's rows hold the prompt in "
+                    "'question' and the gold answer in 'answer'"
+                )
+        rows, accuracy = load_suite(cfg.dataset, cfg.num_examples or DEFAULT_NUM_EXAMPLES, cfg.seed)
+        funcs = [accuracy if f is accuracy_reward else f for f in funcs]
+        columns = Columns("question", "answer", cfg.tests_column)
+        check_rows(rows, columns, funcs, f"--dataset {cfg.dataset!r}", lambda i: f"example {i + 1}")
+        return TrainData(rows, columns, funcs)
+    if cfg.num_examples is not None:
+        raise ValueError(
+            f"--num-examples applies to reasoning-gym task suites (--dataset reasoning-gym:NAME), not to "
+            f"--dataset {cfg.dataset!r}, whose rows are all used"
+        )
+    rows, locate = read_rows(cfg.dataset, split=cfg.dataset_split, config_name=cfg.dataset_config)
+    columns = Columns(cfg.prompt_column, cfg.answer_column, cfg.tests_column)
+    check_rows(rows, columns, funcs, f"dataset {cfg.dataset!r}", locate)
+    return TrainData(rows, columns, funcs)
+
+
+_DEFAULT_COLUMNS = {"--prompt-column": "prompt", "--answer-column": "answer"}
+
+
+def rows_data(cfg: TrainConfig, rows: list[dict[str, Any]], reward_funcs: Sequence[RewardFunc]) -> TrainData:
+    """Rows passed to `train` directly, checked as a dataset's are; `cfg`'s column names apply to them."""
+    columns = Columns(cfg.prompt_column, cfg.answer_column, cfg.tests_column)
+    check_rows(rows, columns, reward_funcs, "the rows passed to train", lambda i: f"row {i + 1}")
+    return TrainData(rows, columns, list(reward_funcs))
+
+
+def read_rows(
+    dataset: str, *, split: str = "train", config_name: str | None = None
+) -> tuple[list[dict[str, Any]], Callable[[int], str]]:
+    """The rows of a local JSONL/JSON/CSV/Parquet file or a hub dataset, and `locate(i)`, where row i is in it
+    ("line 7" of a JSONL or CSV file, "item 7" of a JSON list, "row 7" of Parquet or a hub split)."""
     if not dataset:
-        raise ValueError("dataset must name a local .jsonl/.json/.csv/.parquet file or a Hugging Face dataset")
+        raise ValueError("--dataset must name a local .jsonl/.json/.csv/.parquet file or a Hugging Face dataset")
     ext = os.path.splitext(dataset)[1].lower()
     if os.path.exists(dataset):
         if ext not in LOCAL_FORMATS:
             raise ValueError(
                 f"dataset {dataset!r}: unsupported file type {ext!r}; expected one of {sorted(LOCAL_FORMATS)}"
             )
-        records = _read_local(dataset, ext, split)
+        records, locate = _read_local(dataset, ext, split)
     elif ext in LOCAL_FORMATS:
         raise FileNotFoundError(f"dataset file {dataset!r} does not exist")
     else:
-        records = _read_hub(dataset, config_name, split)
+        records, locate = _read_hub(dataset, config_name, split), lambda i: f"row {i + 1} of split {split!r}"
     if not records:
         raise ValueError(f"dataset {dataset!r} (split {split!r}) has no rows")
-    if not any(prompt_column in r for r in records):
-        raise ValueError(f"dataset {dataset!r} has no prompt column {prompt_column!r}; its columns: {list(records[0])}")
-    check_reward_columns(reward_funcs, records, f"dataset {dataset!r}", answer=answer_column, tests=tests_column)
-    rename = {prompt_column: "prompt", answer_column: "answer", tests_column: "tests"}
-    return [{rename.get(k, k): v for k, v in record.items()} for record in records]
+    return records, locate
 
 
-def _read_local(path: str, ext: str, split: str) -> list[dict[str, Any]]:
-    """The records of a local file; JSON is parsed here so that a bad row is reported by its number."""
+def _read_local(path: str, ext: str, split: str) -> tuple[list[dict[str, Any]], Callable[[int], str]]:
+    """The records of a local file; JSON is parsed here so that a bad row is reported by its line."""
     if os.path.getsize(path) == 0:
         raise ValueError(f"dataset {path!r} is empty (0 bytes)")
     if ext in (".jsonl", ".json"):
@@ -106,22 +144,26 @@ def _read_local(path: str, ext: str, split: str) -> list[dict[str, Any]]:
                 raise ValueError(f"dataset {path!r} is not valid JSON: {err}") from err
             bad = next((i for i, r in enumerate(records, 1) if not isinstance(r, dict)), None)
             if bad is not None:
-                raise ValueError(f"dataset {path!r}: item {bad} is not a JSON object")
-            return records
-        records = []
+                raise ValueError(f"dataset {path!r}, item {bad}: not a JSON object")
+            return records, lambda i: f"item {i + 1}"
+        records, numbers = [], []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"dataset {path!r}: row {number} is not valid JSON ({err.msg} at column {err.colno})")
+                raise ValueError(
+                    f"dataset {path!r}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"dataset {path!r}: row {number} is not a JSON object")
+                raise ValueError(f"dataset {path!r}, line {number}: not a JSON object")  # noqa: TRY004 - bad data
             records.append(record)
-        return records
+            numbers.append(number)
+        return records, lambda i: f"line {numbers[i]}"
     import datasets
 
+    datasets.disable_progress_bars()  # a local file loads in moments; its bar would only stand above an error
     try:
         ds = datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: path}, split=split)
     except Exception as err:  # datasets wraps the reader's error; its innermost cause is the useful part
@@ -129,7 +171,21 @@ def _read_local(path: str, ext: str, split: str) -> list[dict[str, Any]]:
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
         raise ValueError(f"dataset {path!r} could not be read as {ext[1:]}: {cause}") from err
-    return list(ds)
+    if ext == ".csv":
+        return list(ds), functools.partial(_csv_line, path)
+    return list(ds), lambda i: f"row {i + 1}"
+
+
+def _csv_line(path: str, i: int) -> str:
+    """Where record i of a CSV file starts, read again only for the row reported (a quoted field may hold newlines)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        line = 1
+        for index, _ in enumerate(reader, -1):  # -1: the header
+            if index == i:
+                return f"line {line}"
+            line = reader.line_num + 1
+    return f"row {i + 1}"
 
 
 def _read_hub(dataset: str, config_name: str | None, split: str) -> list[dict[str, Any]]:
@@ -150,18 +206,6 @@ def _read_hub(dataset: str, config_name: str | None, split: str) -> list[dict[st
         ) from err
 
 
-def rows_from_config(cfg: TrainConfig, reward_funcs: Sequence[RewardFunc] = ()) -> list[dict[str, Any]]:
-    return load_rows(
-        cfg.dataset,
-        split=cfg.dataset_split,
-        config_name=cfg.dataset_config,
-        prompt_column=cfg.prompt_column,
-        answer_column=cfg.answer_column,
-        tests_column=cfg.tests_column,
-        reward_funcs=reward_funcs,
-    )
-
-
 def load_reward_funcs(names: str) -> list[RewardFunc]:
     """The reward functions `names` lists; a `module:function` is looked up in the current folder first, as a
     user who writes ./myrewards.py expects, whether the CLI was started as a script or with `python -m`."""
@@ -171,32 +215,6 @@ def load_reward_funcs(names: str) -> list[RewardFunc]:
         return get_reward_funcs(names)
     finally:
         sys.path.remove(cwd)
-
-
-# The built-in rewards that need a dataset column: (the column, its CLI flag, the names TRL also accepts for it)
-NEEDED_COLUMNS: dict[Any, tuple[str, str, tuple[str, ...]]] = {
-    accuracy_reward: ("answer", "--answer-column", ("solution",)),
-    code_reward: ("tests", "--tests-column", ()),
-}
-
-
-def check_reward_columns(
-    funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], source: str, *, answer: str, tests: str
-) -> None:
-    """A reward whose column the rows lack would score every completion None (accuracy quietly 0): refuse.
-    `answer`/`tests` name the columns that hold them in `rows`; the default names also accept TRL's aliases."""
-    present = {k for row in rows for k in row}
-    names = {"answer": answer, "tests": tests}
-    for func in funcs:
-        if func not in NEEDED_COLUMNS:
-            continue
-        column, flag, aliases = NEEDED_COLUMNS[func]
-        accepted = {names[column], *(aliases if names[column] == column else ())}
-        if not present & accepted:
-            raise ValueError(
-                f"reward {reward_name(func)!r} needs the dataset's {names[column]!r} column ({flag}), which {source} "
-                f"lacks; its columns: {sorted(present)}"
-            )
 
 
 def resolve_system_prompt(system_prompt: str) -> str:
@@ -231,7 +249,13 @@ def prompt_indices(step: int, batch: int, num_rows: int, seed: int) -> list[int]
     return out
 
 
-def columns_for(rows: Sequence[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
-    """Dataset columns, each repeated per completion, as keyword arguments for the reward functions."""
-    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k != "prompt"]  # every row's columns
-    return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+def reward_columns(rows: Sequence[dict[str, Any]], columns: Columns, repeat: int) -> dict[str, list[Any]]:
+    """The keyword arguments of the reward functions: every column of `rows`, each value repeated once per
+    completion, under its own name, and the answer and tests columns also as `answer` and `tests`. The names the
+    trainer passes itself (`completions`, `prompts`) are not columns."""
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in REWARD_ARGUMENTS]
+    out = {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+    for alias, name in (("answer", columns.answer), ("tests", columns.tests)):
+        if name != alias and name in out:
+            out[alias] = out[name]
+    return out

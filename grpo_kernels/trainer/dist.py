@@ -1,11 +1,14 @@
-"""Data-parallel processes for the trainer: join torchrun's group, gather and reduce small tensors, wrap in DDP.
+"""Data-parallel processes for the trainer: join torchrun's group, gather and reduce small tensors, wrap in DDP,
+and fail together.
 
 A single process is rank 0 of a world of 1, and every helper here is then the identity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import comm_device
+from .errors import USER_ERRORS, PeerError
+from .preempt import ending_with_error
 
 
 @dataclass
@@ -79,7 +84,12 @@ def all_reduce_(x: torch.Tensor, ctx: Dist, op: Any = None) -> torch.Tensor:
 
 def any_rank(flag: bool, ctx: Dist) -> bool:
     """True on every rank when `flag` is true on any (so that all ranks stop at the same step)."""
-    return bool(all_reduce_(torch.tensor(float(flag)), ctx, dist.ReduceOp.MAX if ctx.active else None).item())
+    return bool(max_over_ranks(int(flag), ctx))
+
+
+def max_over_ranks(value: int, ctx: Dist) -> int:
+    """The largest of the ranks' `value`s, on every rank."""
+    return int(all_reduce_(torch.tensor(float(value)), ctx, dist.ReduceOp.MAX if ctx.active else None).item())
 
 
 def wrap_ddp(model: Any, device: torch.device, ctx: Dist) -> Any:
@@ -92,3 +102,38 @@ def wrap_ddp(model: Any, device: torch.device, ctx: Dist) -> Any:
     if not ctx.active:
         return model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def settle(error: Exception | None, ctx: Dist) -> None:
+    """Every rank calls this at the same point, with the error it met since the last such point, if any. When any
+    rank has one, every rank raises: a failed rank its own error, the others a `PeerError` with the message of the
+    first failed rank. So no rank is left waiting in a collective for one that has gone (gloo's "Connection closed
+    by peer"), and every rank ends with the same exit code. One scalar all-reduce when no rank failed."""
+    if not ctx.active:
+        if error is not None:
+            raise error
+        return
+    if not any_rank(error is not None, ctx):
+        return
+    mine = None
+    if error is not None:
+        mine = (ctx.rank, 2 if isinstance(error, USER_ERRORS) else 1, str(error))
+    reports: list[Any] = [None] * ctx.world
+    dist.all_gather_object(reports, mine)
+    ending_with_error()  # the launcher's SIGTERM, sent once a rank has exited, must not cut rank 0's report short
+    if error is not None:
+        raise error
+    rank, code, message = next(r for r in reports if r is not None)
+    raise PeerError(f"rank {rank}: {message}", code)
+
+
+@contextlib.contextmanager
+def together(ctx: Dist) -> Iterator[None]:
+    """`with together(ctx): ...` on every rank: an error in the block, on any rank, is raised on every rank at its
+    end (`settle`). The block may differ between ranks (rank 0 alone writes files) but must not hold collectives."""
+    error = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - settled below, raised again on this rank
+        error = err
+    settle(error, ctx)

@@ -9,7 +9,6 @@ Processes, sampling, the model and the output folder have modules of their own (
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections import defaultdict
@@ -26,17 +25,36 @@ from .. import grpo_loss
 from ..config import TOKEN_COUNT_LOSS_TYPES
 from ..rewards import RewardFunc
 from .checkpoint import latest_checkpoint, save_checkpoint
+from .completions import completion_records, console_lines
 from .config import TrainConfig
-from .data import check_reward_columns, load_reward_funcs, prompt_indices, rows_from_config
-from .dist import Dist, all_reduce_, any_rank, barrier, init_distributed, rank_device, wrap_ddp
-from .model import add_lora, completion_logits, load_model, make_optimizer, micro_batches, peak_memory_mb
-from .model import prepare_tokenizer, resolve_device
-from .plotting import plot_metrics
-from .progress import Progress, stop_on_interrupt, zero_variance_warning
+from .data import load_data, load_reward_funcs, prompt_indices, rows_data
+from .dist import Dist, all_reduce_, barrier, init_distributed, max_over_ranks, rank_device, together, wrap_ddp
+from .model import (
+    add_lora,
+    completion_logits,
+    load_model,
+    make_optimizer,
+    micro_batches,
+    peak_memory_mb,
+    prepare_tokenizer,
+    resolve_device,
+)
+from .preempt import stop_after_step
+from .progress import Progress, zero_variance_warning
 from .resume import resume_or_start
 from .rollout import Rollout, rollout
-from .rundir import ADAPTER_DIR, METRICS_FILE, PLOT_FILE, prepare_output_dir, read_metrics_repairing, storage
-from .rundir import write_metrics
+from .rundir import (
+    ADAPTER_DIR,
+    COMPLETIONS_FILE,
+    METRICS_FILE,
+    JsonLog,
+    prepare_output_dir,
+    read_records_repairing,
+    save_adapter,
+    save_plot,
+    storage,
+    write_records,
+)
 from .sampling import sample_seed
 
 Evaluator = Callable[[Any, Any], dict[str, float]]  # (model, tokenizer) -> metrics, logged as eval/<name>
@@ -50,8 +68,9 @@ class TrainResult:
     output_dir: Path
     adapter_dir: Path  # written when the run finished (not when interrupted)
     plot_path: Path | None = None
-    interrupted: bool = False  # stopped by Ctrl-C after the step in progress
+    interrupted: bool = False  # stopped by Ctrl-C or SIGTERM after the step in progress
     last_checkpoint: Path | None = None
+    signal: int | None = None  # the signal that stopped the run, when interrupted
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -78,7 +97,10 @@ def train(
     through DistributedDataParallel (the LoRA gradients averaged over the ranks), and only rank 0 writes metrics,
     checkpoints, the adapter and the plot. `accelerate launch --multi_gpu --num_processes N` sets the same variables.
     Completions are sampled from per-completion seeds, so N processes train the same adapter as one (up to float
-    reduction order). Ctrl-C stops after the step in progress, with a checkpoint of it."""
+    reduction order). An error on any rank (a bad row, a reward that fails, a full disk) stops every rank.
+
+    Ctrl-C or SIGTERM stops after the step in progress, with a checkpoint of it (`TrainResult.interrupted`);
+    a second one stops at once. Every row of the data is checked before the model loads."""
     threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -102,70 +124,82 @@ def _train(
     eval_every: int,
     ctx: Dist,
 ) -> TrainResult:
-    if cfg.prompts_per_step % ctx.world:
-        raise ValueError(
-            f"prompts_per_step={cfg.prompts_per_step} must be divisible by the number of processes ({ctx.world}): "
-            "each rank trains on an equal share of every step's prompts"
-        )
-    local_prompts = cfg.prompts_per_step // ctx.world
     torch.manual_seed(cfg.seed)  # the same on every rank: the same LoRA initialization everywhere
     device, dtype = resolve_device(cfg)
     device = rank_device(device, ctx)
-    # rewards, data and the output folder first: they fail fast and cheaply
-    reward_funcs = load_reward_funcs(cfg.reward_funcs) if reward_funcs is None else reward_funcs
-    if rows is None:
-        if not ctx.main:
-            barrier(ctx)  # rank 0 builds the datasets cache entry first; building it together races
-        rows = rows_from_config(cfg, reward_funcs)
-        if ctx.main:
-            barrier(ctx)
-    else:
-        check_reward_columns(reward_funcs, rows, "the rows passed to train", answer="answer", tests="tests")
     out_dir = Path(cfg.output_dir)
-    if ctx.main:  # a folder holding another run, or one that can't be written, fails before the model loads
-        prepare_output_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    weights = cfg.weights(len(reward_funcs))
-    if model is None:
-        model, tokenizer = load_model(cfg.model, dtype=dtype)
-    elif tokenizer is None:
-        raise ValueError("a tokenizer must come with the model")
-    tokenizer = prepare_tokenizer(tokenizer)
+    # What the user's input can make fail is tried first, before the model loads: the rewards, every row of the data,
+    # the output folder. Under torchrun an error on any rank stops every rank, with its one message (`together`).
+    with together(ctx):
+        if cfg.prompts_per_step % ctx.world:
+            raise ValueError(
+                f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes "
+                f"({ctx.world}): each rank trains on an equal share of every step's prompts"
+            )
+        reward_funcs = load_reward_funcs(cfg.reward_funcs) if reward_funcs is None else reward_funcs
+        weights = cfg.weights(len(reward_funcs))
+        if ctx.main:  # rank 0 builds the datasets cache entry first; building it together races
+            data = load_data(cfg, reward_funcs) if rows is None else rows_data(cfg, rows, reward_funcs)
+            prepare_output_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    with together(ctx):
+        if not ctx.main:
+            data = load_data(cfg, reward_funcs) if rows is None else rows_data(cfg, rows, reward_funcs)
+    local_prompts = cfg.prompts_per_step // ctx.world
 
-    model = add_lora(model.to(device), cfg)
-    model.train()  # from_pretrained returns eval mode; old/ref log-probs and updates all see the same mode
-    optimizer = make_optimizer(model, cfg)
-    progress = Progress(cfg.max_steps, 0, bar=cfg.progress, every=cfg.logging_steps, enabled=ctx.main)
-    start, scheduler = resume_or_start(cfg, out_dir, model, optimizer, progress.note)  # the same on every rank
-    progress.done = start
-    metrics_path = out_dir / METRICS_FILE
-    records, torn = read_metrics_repairing(metrics_path)
-    records = [r for r in records if r["step"] <= start]  # a resumed run drops what was logged past its checkpoint
-    if torn:
-        progress.note(torn)
+    with together(ctx):
+        if model is None:
+            model, tokenizer = load_model(cfg.model, dtype=dtype)
+        elif tokenizer is None:
+            raise ValueError("a tokenizer must come with the model")
+        tokenizer = prepare_tokenizer(tokenizer)
+        model = add_lora(model.to(device), cfg)
+        model.train()  # from_pretrained returns eval mode; old/ref log-probs and updates all see the same mode
+        optimizer = make_optimizer(model, cfg)
+        progress = Progress(cfg.max_steps, 0, bar=cfg.progress, every=cfg.logging_steps, enabled=ctx.main)
+        start, scheduler = resume_or_start(cfg, out_dir, model, optimizer, progress.note)  # the same on every rank
+        progress.done = start
+        # a resumed run drops what was logged past its checkpoint
+        records, torn = read_records_repairing(out_dir / METRICS_FILE)
+        records = [r for r in records if r["step"] <= start]
+        logged, torn_log = read_records_repairing(out_dir / COMPLETIONS_FILE)
+        for note in (torn, torn_log):
+            if note:
+                progress.note(note)
     trained = wrap_ddp(model, device, ctx)  # after the checkpoint is loaded: DDP broadcasts rank 0's parameters
     barrier(ctx)  # every rank has read the checkpoint and the records before rank 0 rewrites them
-    if ctx.main:
-        write_metrics(metrics_path, records)
+    with together(ctx):
+        if ctx.main:
+            write_records(out_dir / METRICS_FILE, records)
+            if logged or cfg.log_completions:
+                write_records(out_dir / COMPLETIONS_FILE, [r for r in logged if r["step"] <= start])
 
     last_ckpt = latest_checkpoint(out_dir) if start else None
-    flat_steps, warned, stopped = 0, False, False
-    with storage(out_dir, METRICS_FILE):
-        log = open(metrics_path, "a") if ctx.main else contextlib.nullcontext()  # noqa: SIM115
-    with stop_on_interrupt() as interrupt, progress, log:
+    flat_steps, warned, stopped, signum = 0, False, False, 0
+    with contextlib.ExitStack() as stack:
+        request = stack.enter_context(stop_after_step(cfg.max_steps, start + 1, enabled=ctx.main))  # Ctrl-C, SIGTERM
+        stack.enter_context(progress)
+        with together(ctx):
+            if ctx.main:
+                metrics_log = stack.enter_context(JsonLog(out_dir / METRICS_FILE))
+                if cfg.log_completions:
+                    completions_log = stack.enter_context(JsonLog(out_dir / COMPLETIONS_FILE))
         for step in range(start, cfg.max_steps):
+            request.step = step + 1
             t0 = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             # this rank's contiguous share of the step's prompts, each with its seeds for its G completions
             first = ctx.rank * local_prompts
-            indices = prompt_indices(step, cfg.prompts_per_step, len(rows), cfg.seed)[first : first + local_prompts]
-            batch = [rows[i] for i in indices]
+            indices = prompt_indices(step, cfg.prompts_per_step, len(data.rows), cfg.seed)
+            batch = [data.rows[i] for i in indices[first : first + local_prompts]]
             seeds = [
                 sample_seed(cfg.seed, step, first + i, j)
                 for i in range(local_prompts)
                 for j in range(cfg.num_generations)
             ]
-            roll = rollout(model, tokenizer, batch, cfg, reward_funcs, weights, seeds=seeds, ctx=ctx)
+            roll = rollout(
+                model, tokenizer, batch, cfg, data.reward_funcs, weights, seeds=seeds, ctx=ctx, columns=data.columns
+            )
             update = policy_update(trained, optimizer, scheduler, roll, cfg, ctx)
             record = {
                 "step": step + 1,
@@ -174,36 +208,50 @@ def _train(
                 "time/step_s": time.perf_counter() - t0,
                 "peak_memory_mb": peak_memory_mb(device),
             }
-            last = step + 1 == cfg.max_steps
-            stopped = not last and any_rank(interrupt["stop"], ctx)  # Ctrl-C: this step is the last
-            if evaluate is not None and ctx.main and eval_every and ((step + 1) % eval_every == 0 or last):
-                record |= {f"eval/{k}": v for k, v in evaluate(model, tokenizer).items()}
             records.append(record)
+            last = step + 1 == cfg.max_steps
+            signum = max_over_ranks(request.signum or 0, ctx)  # a signal to any rank: this step is the last
+            stopped = not last and signum > 0
+            request.step = step + 1 if stopped or last else step + 2  # the step a signal from now on stops after
+            logging = (step + 1) % cfg.logging_steps == 0 or last or stopped
+            samples = []
+            if logging and cfg.log_completions:
+                samples = completion_records(step + 1, roll, cfg.log_completions, cfg.num_generations, ctx)
             flat_steps = flat_steps + 1 if record["frac_reward_zero_std"] == 1.0 else 0
-            if flat_steps == cfg.zero_variance_warning_steps and not warned:
-                progress.note(zero_variance_warning(flat_steps, cfg, record))
-                warned = True
-            if ctx.main:
-                with storage(out_dir, METRICS_FILE):
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                progress.step(record)
-                if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last or stopped:
-                    with storage(out_dir, f"checkpoint-{step + 1}"):
-                        last_ckpt = save_checkpoint(
-                            out_dir, step + 1, model, optimizer, scheduler, cfg.to_dict(), keep=cfg.save_total_limit
-                        )
+            with together(ctx):  # rank 0 writes; a full disk stops every rank
+                if ctx.main:
+                    if evaluate is not None and eval_every and ((step + 1) % eval_every == 0 or last):
+                        record |= {f"eval/{k}": v for k, v in evaluate(model, tokenizer).items()}
+                    metrics_log.append([record])
+                    if samples:
+                        completions_log.append(samples)
+                    progress.step(record)
+                    progress.show(console_lines(samples))
+                    if flat_steps == cfg.zero_variance_warning_steps and not warned:
+                        progress.note(zero_variance_warning(flat_steps, cfg, record, _completions_hint(cfg, out_dir)))
+                        warned = True
+                    if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last or stopped:
+                        with storage(out_dir / f"checkpoint-{step + 1}"):
+                            last_ckpt = save_checkpoint(
+                                out_dir, step + 1, model, optimizer, scheduler, cfg.to_dict(), keep=cfg.save_total_limit
+                            )
             if stopped:
                 break
 
     adapter_dir, plot_path = out_dir / ADAPTER_DIR, None
-    if ctx.main and not stopped:
-        with storage(out_dir, "the adapter and the plot"):
-            model.save_pretrained(adapter_dir, safe_serialization=True)
+    with together(ctx):  # on every rank, train returns once the adapter is written
+        if ctx.main and not stopped:
+            save_adapter(model, out_dir)
             if cfg.plot and records:
-                plot_path = Path(plot_metrics(records, out_dir / PLOT_FILE))
-    barrier(ctx)  # on every rank, train returns once the adapter is written
-    return TrainResult(model, tokenizer, records, out_dir, adapter_dir, plot_path, stopped, last_ckpt)
+                plot_path = save_plot(records, out_dir)
+    signal = signum if stopped else None
+    return TrainResult(model, tokenizer, records, out_dir, adapter_dir, plot_path, stopped, last_ckpt, signal)
+
+
+def _completions_hint(cfg: TrainConfig, out_dir: Path) -> str:
+    if cfg.log_completions:
+        return str(out_dir / COMPLETIONS_FILE)
+    return f"{COMPLETIONS_FILE} (pass --log-completions N to write it)"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import torch
 
 from .. import selective_log_softmax
 from .config import TrainConfig
-from .data import LoadError, hub_offline
+from .data import hub_offline
+from .errors import LoadError
 
 
 def resolve_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:

@@ -1,7 +1,10 @@
-"""The training figure: held-out accuracy first (when evaluated), then training reward as a rolling mean with a
-light band, the KL, the loss, the entropy and the completion length against the step.
+"""The training figure: held-out accuracy first (when evaluated), then the training reward and each reward
+function's mean as rolling means with a light band, the KL, the loss, the entropy and the completion length against
+the step.
 
-Panels whose curves are constant or absent (the clip ratio at mu = 1, the KL at beta = 0) are left out.
+A band is the rolling mean ± one standard deviation of the per-step values within the window: how much the step
+means vary, not the spread of the rewards within a step. The reward panel says so. Panels whose curves are constant
+or absent (the clip ratio at mu = 1, the KL at beta = 0) are left out.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("entropy (nats per token)", [("entropy", "entropy")]),
     ("completion length (tokens)", [("completions/mean_length", "mean length")]),
 ]
+
+
+BANDS = "lines: {window}-step rolling means\nbands: ± 1 std of the step means in the window"
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -56,6 +62,7 @@ def plot_metrics(
     *,
     title: str = "GRPO training",
     before: dict[str, float] | None = None,
+    format: str | None = None,
 ) -> str:
     """Draw the panels from per-step records (as in metrics.jsonl; `eval/<name>` keys where evaluated) into a PNG.
     `before`: the held-out metrics before training, drawn at step 0. Returns the PNG's path."""
@@ -72,7 +79,9 @@ def plot_metrics(
     if acc:
         draws.append(lambda ax: _held_out(ax, steps, acc, before is not None, PercentFormatter(1.0)))
     window = max(1, round(len(records) / 12))
-    reward_keys = [k for k in ("reward", "accuracy") if _series(records, k)[1]]
+    reward_keys = [k for k in ("reward", *reward_names(records)) if _series(records, k)[1]]
+    if "rewards/accuracy/mean" not in reward_keys and _series(records, "accuracy")[1]:
+        reward_keys.append("accuracy")  # records written before the per-reward means were logged
     if reward_keys:
         draws.append(lambda ax: _rolling_panel(ax, records, reward_keys, window))
     for name, curves in PANELS:
@@ -90,12 +99,12 @@ def plot_metrics(
         if not isinstance(ax.yaxis.get_major_formatter(), PercentFormatter):
             ax.ticklabel_format(axis="y", useOffset=False)  # 4.6055, not 0.0005 + 4.605
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and ax.get_legend() is None:
             ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(draws) :]:
         ax.remove()
     fig.suptitle(title)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=format)
     plt.close(fig)
     return str(path)
 
@@ -109,14 +118,28 @@ def _held_out(ax: Any, steps: list[int], acc: list[float], has_before: bool, for
     ax.yaxis.set_major_formatter(formatter)
 
 
+def reward_names(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The `rewards/<name>/mean` keys of the records, in the order the reward functions were listed."""
+    keys = dict.fromkeys(k for r in records for k in r if k.startswith("rewards/") and k.endswith("/mean"))
+    return list(keys)
+
+
+def _label(key: str) -> str:
+    if key == "reward":
+        return "total (weighted sum)"
+    return key.removeprefix("rewards/").removesuffix("/mean")
+
+
 def _rolling_panel(ax: Any, records: Sequence[dict[str, Any]], keys: list[str], window: int) -> None:
     for key in keys:
         steps, ys = _series(records, key)
         mean, std = rolling(ys, window)
-        (line,) = ax.plot(steps, mean, label=f"{key} ({window}-step rolling mean)")
+        (line,) = ax.plot(steps, mean, label=_label(key), linewidth=2.0 if key == "reward" else 1.2)
         lo, hi = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
     ax.set_title("training reward (sampled completions)")
+    # what the lines and the bands are, as the legend's title
+    ax.legend(fontsize=8, title=BANDS.format(window=window), title_fontsize=7, alignment="left")
 
 
 def _line_panel(ax: Any, records: Sequence[dict[str, Any]], name: str, curves: list[tuple[str, str]]) -> None:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 from .config import TrainConfig
 
@@ -35,13 +31,13 @@ class Progress:
             columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}")]
             self.bar = RichProgress(*columns, TimeElapsedColumn(), TimeRemainingColumn())
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Self:
         if self.bar is not None:
             self.bar.__enter__()
             self.task = self.bar.add_task("", total=self.total, completed=self.done)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
 
@@ -52,45 +48,40 @@ class Progress:
         if self.bar is not None:
             self.bar.update(self.task, advance=1, description=step_summary(record))
         elif step % self.every == 0 or step == self.total:
-            print(
+            _say(
                 f"step {step}/{self.total}  {step_summary(record)}  loss {record['loss']:.4f}  "
-                f"{record['time/step_s']:.1f}s",
-                flush=True,
+                f"{record['time/step_s']:.1f}s"
             )
 
     def note(self, text: str) -> None:
         """A message for the user (resume, warnings), above the bar when there is one."""
         if self.enabled:
-            print(text, file=sys.stderr, flush=True)
+            _say(text, sys.stderr)
+
+    def show(self, lines: list[str]) -> None:
+        """Lines of output (completions) above the bar, or after the step's line without one."""
+        if not self.enabled:
+            return
+        for line in lines:
+            if self.bar is not None:
+                self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                _say(line)
 
 
-@contextlib.contextmanager
-def stop_on_interrupt() -> Iterator[dict[str, bool]]:
-    """Ctrl-C asks the loop to stop after the step in progress (`flag["stop"]`); a second Ctrl-C stops at once.
-    Off the main thread, where Python delivers no signals, it leaves SIGINT alone."""
-    flag = {"stop": False}
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-
-    def handle(signum: int, frame: Any) -> None:
-        if flag["stop"]:
-            raise KeyboardInterrupt
-        flag["stop"] = True
-
-    previous = signal.signal(signal.SIGINT, handle)
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def _say(line: str, stream: Any = None) -> None:
+    """One line in one write: a signal's own line (written between two of Python's writes) never splits it."""
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
 
 
-def zero_variance_warning(steps: int, cfg: TrainConfig, record: dict[str, Any]) -> str:
+def zero_variance_warning(steps: int, cfg: TrainConfig, record: dict[str, Any], log: str) -> str:
     return (
         f"warning: for {steps} steps in a row every group of {cfg.num_generations} completions got equal rewards "
         f"(mean reward {record['reward']:.3g}), so every advantage is 0 and nothing is being learned. Likely causes: "
-        "the rewards never fire (try the reward functions on a few completions; check --answer-column, the prompt "
-        "format, --system-prompt, and whether --max-completion-length cuts answers off), every completion is already "
-        "right (the task is too easy), or sampling is too cold for the completions to differ (--temperature, "
-        "--top-k, --top-p)"
+        f"the rewards never fire (read what the model wrote and how each reward scored it in {log}; check "
+        "--answer-column, the prompt format, --system-prompt, and whether --max-completion-length cuts answers "
+        "off), every completion is already right (the task is too easy), or sampling is too cold for the "
+        "completions to differ (--temperature, --top-k, --top-p)"
     )

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from .. import group_advantages
 from ..rewards import RewardFunc, combine_rewards, reward_name
 from .config import TrainConfig
-from .data import columns_for, render_prompt, resolve_system_prompt
-from .dist import Dist, all_reduce_, gather_cat
+from .data import render_prompt, resolve_system_prompt, reward_columns
+from .dist import Dist, all_reduce_, gather_cat, together
 from .model import per_token_logp
+from .rowcheck import Columns
 from .sampling import decode_completions, generate
 
 
@@ -32,6 +33,13 @@ class Rollout:
     old_logp: torch.Tensor | None  # [N, T], None when num_iterations == 1 (ratio exactly 1)
     ref_logp: torch.Tensor | None  # [N, T], None when beta == 0
     metrics: dict[str, float]
+    # for the completions log: this rank's prompts (as the dataset has them) and completion texts, and of the whole
+    # batch (every rank's, in rank order) the total reward, each reward's values (NaN: not applicable), advantages
+    prompts: list[Any]  # [B_local]
+    texts: list[str]  # [N]
+    rewards: torch.Tensor  # [N_all]
+    reward_values: dict[str, torch.Tensor]  # name -> [N_all]
+    all_advantages: torch.Tensor  # [N_all]
 
 
 def rollout(
@@ -44,13 +52,15 @@ def rollout(
     *,
     seeds: list[int] | None = None,
     ctx: Dist | None = None,
+    columns: Columns | None = None,
 ) -> Rollout:
     """Sample, score and prepare one rollout batch. Under torchrun `rows` is this rank's shard of the step's prompts
     (whole groups, equal shards in rank order): the rewards are gathered so that the advantages (any `scale_rewards`)
     and the logged metrics are those of the whole batch; the returned tensors are this rank's part."""
-    ctx = ctx or Dist()
+    ctx, columns = ctx or Dist(), columns or Columns()
     system = resolve_system_prompt(cfg.system_prompt)
-    prompts = [render_prompt(tokenizer, row["prompt"], system, use_chat_template=cfg.chat_template) for row in rows]
+    questions = [row[columns.prompt] for row in rows]
+    prompts = [render_prompt(tokenizer, q, system, use_chat_template=cfg.chat_template) for q in questions]
     g = cfg.num_generations
     t0 = time.perf_counter()
     samples = generate(model, tokenizer, prompts, cfg, seeds=seeds)
@@ -59,14 +69,15 @@ def rollout(
     num_tokens = completion_mask.sum(1)  # [N]
     completions = decode_completions(tokenizer, samples)
 
-    columns = columns_for(rows, g)
-    total, per_func = combine_rewards(
-        reward_funcs, completions, weights, prompts=[p for p in prompts for _ in range(g)], **columns
-    )
+    kwargs = reward_columns(rows, columns, g)
+    with together(ctx):  # a reward that fails on one rank stops every rank, with its message
+        total, per_func = combine_rewards(
+            reward_funcs, completions, weights, prompts=[p for p in prompts for _ in range(g)], **kwargs
+        )
     local_n = len(total)
     rewards = gather_cat(torch.tensor(total, dtype=torch.float32), ctx)  # [N] of the whole batch
-    advantages = group_advantages(rewards, g, scale=cfg.scale_rewards)
-    advantages = advantages[ctx.rank * local_n : (ctx.rank + 1) * local_n].to(completion_ids.device)
+    all_advantages = group_advantages(rewards, g, scale=cfg.scale_rewards)
+    advantages = all_advantages[ctx.rank * local_n : (ctx.rank + 1) * local_n].to(completion_ids.device)
 
     loss_mask = completion_mask.clone()
     if cfg.mask_truncated_completions:
@@ -95,12 +106,17 @@ def rollout(
         "tokens_per_s": num_tokens.sum().item() / max(gen_time, 1e-9),
         "time/generate_s": gen_time,
     }
+    reward_values = {}
     for func, values in zip(reward_funcs, per_func):
         v = gather_cat(torch.tensor(values, dtype=torch.float32), ctx)
         applicable = v[~v.isnan()]
         name = reward_name(func)
+        reward_values[name] = v
         metrics[f"rewards/{name}/mean"] = applicable.mean().item() if applicable.numel() else math.nan
         metrics[f"rewards/{name}/std"] = applicable.std().item() if applicable.numel() > 1 else 0.0
         if name == "accuracy":
             metrics["accuracy"] = metrics[f"rewards/{name}/mean"]
-    return Rollout(input_ids, attention_mask, completion_ids, loss_mask, advantages, old_logp, ref_logp, metrics)
+    return Rollout(
+        input_ids, attention_mask, completion_ids, loss_mask, advantages, old_logp, ref_logp, metrics,
+        questions, completions, rewards, reward_values, all_advantages,
+    )

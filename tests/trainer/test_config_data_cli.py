@@ -18,9 +18,10 @@ from grpo_kernels.trainer.checkpoint import (
     remove_partial_checkpoints,
 )
 from grpo_kernels.trainer.config import LOOP_SET_LOSS_OPTIONS, TrainConfig
-from grpo_kernels.trainer.data import R1_SYSTEM_PROMPT, load_rows, prompt_indices, render_prompt
+from grpo_kernels.trainer.data import R1_SYSTEM_PROMPT, prompt_indices, read_rows, render_prompt, reward_columns
 from grpo_kernels.trainer.demo import build_char_tokenizer
 from grpo_kernels.trainer.plotting import plot_metrics
+from grpo_kernels.trainer.rowcheck import Columns
 
 from .conftest import tiny_argv
 
@@ -77,7 +78,7 @@ def test_config_rejects_bad_values(bad, message):
         TrainConfig.from_flat(bad)
 
 
-def test_load_rows_from_jsonl_csv_parquet_with_column_mapping(tmp_path):
+def test_rows_keep_their_columns_from_jsonl_csv_parquet(tmp_path):
     records = [{"q": "1+1=", "gold": "2", "extra": "a"}, {"q": "2+2=", "gold": "4", "extra": "b"}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with open(tmp_path / "d.csv", "w", newline="") as f:
@@ -88,12 +89,21 @@ def test_load_rows_from_jsonl_csv_parquet_with_column_mapping(tmp_path):
 
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "d.parquet"))
     for name in ("d.jsonl", "d.csv", "d.parquet"):
-        rows = load_rows(str(tmp_path / name), prompt_column="q", answer_column="gold")
-        assert [(r["prompt"], str(r["answer"]), r["extra"]) for r in rows] == [("1+1=", "2", "a"), ("2+2=", "4", "b")]
-    with pytest.raises(ValueError, match="no prompt column 'question'"):
-        load_rows(str(tmp_path / "d.jsonl"), prompt_column="question")
+        rows, _ = read_rows(str(tmp_path / name))
+        assert [(r["q"], str(r["gold"]), r["extra"]) for r in rows] == [("1+1=", "2", "a"), ("2+2=", "4", "b")]
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_rows(str(tmp_path / "missing.jsonl"))
+        read_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_rewards_get_every_column_under_its_own_name_and_the_answer_as_answer():
+    rows = [{"question": "1+1=", "solution": "2", "level": 1}, {"question": "2+2=", "solution": "4", "level": 3}]
+    kwargs = reward_columns(rows, Columns(prompt="question", answer="solution"), repeat=2)
+    assert kwargs == {
+        "question": ["1+1=", "1+1=", "2+2=", "2+2="],  # the prompt's own column, under its own name
+        "solution": ["2", "2", "4", "4"],
+        "answer": ["2", "2", "4", "4"],  # --answer-column, also as accuracy_reward's `answer`
+        "level": [1, 1, 3, 3],
+    }
 
 
 def test_render_prompt_plain_r1_and_chat_template():
@@ -132,6 +142,8 @@ def test_plot_leads_with_held_out_accuracy_and_leaves_out_flat_panels(tmp_path, 
             "step": s,
             "reward": 0.1 * s,
             "accuracy": 0.05 * s,
+            "rewards/accuracy/mean": 0.05 * s,
+            "rewards/format/mean": 0.5 + 0.1 * s,
             "loss": 0.01 * s,
             "kl": 0.001 * s,
             "clip_ratio/region_mean": 0.0,  # mu = 1: always 0, a panel with nothing to show
@@ -155,8 +167,14 @@ def test_plot_leads_with_held_out_accuracy_and_leaves_out_flat_panels(tmp_path, 
     titles = [ax.get_title() for ax in axes]
     assert titles[0] == "held-out accuracy: 40.0% → 50.0%"  # step 0 (before), then the evaluations
     assert titles[1].startswith("training reward")
+    # every reward function's mean beside the total, and a note saying what the lines and bands are
+    assert [line.get_label() for line in axes[1].get_lines()] == ["total (weighted sum)", "accuracy", "format"]
+    assert len(axes[1].collections) == 3  # a band each
+    assert axes[1].get_legend().get_title().get_text() == (
+        "lines: 1-step rolling means\nbands: ± 1 std of the step means in the window"
+    )
     assert not any("clip" in t or "length" in t for t in titles)
-    assert [list(line.get_xdata()) for line in axes[0].get_lines()][0] == [0, 2]
+    assert list(axes[0].get_lines()[0].get_xdata()) == [0, 2]
     figures[0].canvas.draw()
     for ax in axes:
         assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_title()  # whole steps only
@@ -194,8 +212,15 @@ def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch, dataset_file):
     assert "not a local folder" in err and "hub is unreachable" in err
     assert main(["train", "--model", str(tmp_path), "--dataset", "someone/not-a-dataset-xyz"]) == 2
     assert "neither a local file nor reachable" in capsys.readouterr().err
-    assert main(["train", "--model", "m", "--dataset", "d", "--loss-type", "ppo"]) == 2
-    assert "loss_type must be one of" in capsys.readouterr().err
+    # errors name the flags that were typed, not the config's fields
+    for flags, message in (
+        (["--loss-type", "ppo"], "error: --loss-type must be one of"),
+        (["--num-generations", "1"], "error: --num-generations must be >= 2, got 1: GRPO's advantage"),
+        (["--resume", "--overwrite"], "error: --resume and --overwrite exclude each other"),
+        (["--beta", "-1"], "error: --beta must be >= 0"),
+    ):
+        assert main(["train", "--model", "m", "--dataset", "d", *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_train_on_a_saved_model_folder(model_dir, dataset_file, tmp_path, capsys):
@@ -228,12 +253,14 @@ def test_data_errors_are_one_line_naming_the_file_and_the_problem(model_dir, tmp
     rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cases = [
         (empty, [], f"dataset {str(empty)!r} is empty (0 bytes)"),
-        (bad, [], f"dataset {str(bad)!r}: row 3 is not valid JSON (Expecting ':' delimiter at column 28)"),
+        (bad, [], f"dataset {str(bad)!r}, line 3: not valid JSON (Expecting ':' delimiter at column 28)"),
         (
             rows,
             ["--answer-column", "solution", "--reward-funcs", "accuracy"],
-            f"reward 'accuracy' needs the dataset's 'solution' column (--answer-column), which dataset {str(rows)!r} "
-            "lacks; its columns: ['answer', 'prompt']",
+            (
+                f"dataset {str(rows)!r}, line 1: column 'solution' (--answer-column), which reward accuracy needs, "
+                "is missing; its columns: ['answer', 'prompt']"
+            ),
         ),
     ]
     # a 1-step run of tiny completions, should a check be missing
@@ -244,6 +271,70 @@ def test_data_errors_are_one_line_naming_the_file_and_the_problem(model_dir, tmp
         assert main([*argv, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"grpo-kernels train: error: {message}"]
+
+
+PROMPT = "the prompt column 'question' (--prompt-column)"
+BAD_ROWS = [  # (file, its text, the message after "dataset '<file>', ")
+    (
+        "missing.jsonl",  # a blank line before it: line 4 is the third row
+        '{"question": "1+1=", "solution": "2"}\n\n{"question": "2+2=", "solution": "4"}\n{"solution": "6"}\n',
+        f"line 4: {PROMPT} is missing; its columns: ['solution']",
+    ),
+    ("null.jsonl", '{"question": "1+1=", "solution": "2"}\n{"question": null, "solution": "4"}\n', f"line 2: {PROMPT} is null"),
+    ("blank.jsonl", '{"question": "  ", "solution": "2"}\n', f"line 1: {PROMPT} is empty"),
+    (
+        "number.jsonl",
+        '{"question": 7, "solution": "2"}\n',
+        f"line 1: {PROMPT} must be text or a list of chat messages, got int 7",
+    ),
+    (
+        "chat.jsonl",
+        '{"question": [{"content": "hi"}], "solution": "2"}\n',
+        f"line 1: {PROMPT} has message 1 that is not a {{'role': ..., 'content': ...}} dict: {{'content': 'hi'}}",
+    ),
+    (
+        "answer.jsonl",
+        '{"question": "1+1=", "solution": "2"}\n{"question": "2+2=", "solution": null}\n',
+        "line 2: column 'solution' (--answer-column), which reward accuracy needs, is null",
+    ),
+    # a quoted prompt over two lines: the empty one below it is on line 4
+    ("lines.csv", 'question,solution\n"1+1\n=",2\n"",4\n', f"line 4: {PROMPT} is null"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", BAD_ROWS, ids=[b[0] for b in BAD_ROWS])
+def test_the_first_bad_row_stops_the_run_before_the_model_loads(name, text, message, tmp_path, capsys):
+    (tmp_path / name).write_text(text)
+    # no such model: a message about the data shows that the rows were checked first
+    argv = ["train", "--model", str(tmp_path / "no-model"), "--dataset", str(tmp_path / name)]
+    argv += ["--prompt-column", "question", "--answer-column", "solution", "--output-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    expected = f"grpo-kernels train: error: dataset {str(tmp_path / name)!r}, {message}"
+    assert capsys.readouterr().err.splitlines() == [expected]
+
+
+def test_rows_are_checked_for_the_arguments_of_a_reward_of_your_own_and_parquet_rows_by_number(
+    tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "level_rewards.py").write_text("def level_reward(completions, level, **columns):\n    return level\n")
+    monkeypatch.chdir(tmp_path)
+    import datasets
+
+    rows = [{"question": "1+1=", "level": 1}, {"question": "2+2=", "level": None}, {"question": None, "level": 2}]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    chat = tmp_path / "chat.jsonl"  # every row good, a chat-format prompt among them
+    chat.write_text('{"question": [{"role": "user", "content": "1+1="}], "level": 1}\n{"question": "2", "level": 2}\n')
+    base = ["train", "--model", str(tmp_path / "no-model"), "--prompt-column", "question"]
+    base += ["--reward-funcs", "format,level_rewards:level_reward", "--output-dir", str(tmp_path / "run")]
+    assert main([*base, "--dataset", str(tmp_path / "d.parquet")]) == 2
+    parquet = str(tmp_path / "d.parquet")
+    expected = (
+        f"grpo-kernels train: error: dataset {parquet!r}, row 2: column 'level' (an argument of reward "
+        "level_rewards:level_reward), is null"
+    )
+    assert capsys.readouterr().err.splitlines() == [expected]
+    assert main([*base, "--dataset", str(chat)]) == 2  # the rows pass; the model is what is missing
+    assert "model folder" in capsys.readouterr().err
 
 
 def test_help_lists_the_data_formats_and_a_reward_of_your_own(capsys):

@@ -45,8 +45,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(model_dir, dataset_file, output_dir, nproc: int, launcher: str = "torchrun", **overrides) -> str:
+def run_cli(
+    model_dir, dataset_file, output_dir, nproc: int, launcher: str = "torchrun", *, returncode: int = 0, **overrides
+) -> str:
+    """The CLI's output (stdout and stderr in order) under `launcher` with `nproc` processes, on the CPU with gloo
+    (--device cpu and no visible GPU: on a machine with one GPU, 2 NCCL ranks would share it)."""
     values = {
+        "device": "cpu",
         "max_steps": STEPS,
         "prompts_per_step": 4,
         "num_generations": 4,
@@ -105,7 +110,7 @@ def run_cli(model_dir, dataset_file, output_dir, nproc: int, launcher: str = "to
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout
+    assert proc.returncode == returncode, proc.stdout
     return proc.stdout
 
 
@@ -151,6 +156,8 @@ def test_two_processes_train_the_adapter_of_one(trained, options):
     assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
     assert sorted(os.listdir(two)) == sorted(os.listdir(one))
     assert [p.name for p in list_checkpoints(two)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    # the same completions logged, gathered from both ranks: prompts, texts, rewards and advantages
+    assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
 
     for x, y in zip(m1, m2):
         # the same completions, hence the same rewards, whichever rank sampled them
@@ -167,9 +174,27 @@ def test_two_processes_train_the_adapter_of_one(trained, options):
     assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a)  # training did move the adapter
 
 
-def test_prompts_per_step_must_divide_among_the_processes(model_dir, dataset_file, tmp_path):
-    with pytest.raises(AssertionError, match="must be divisible by the number of processes"):
-        run_cli(model_dir, dataset_file, tmp_path / "odd", 2, prompts_per_step=3)
+def test_a_bad_row_under_torchrun_is_one_line_from_rank_0_and_every_rank_exits_with_its_code(
+    model_dir, dataset_file, tmp_path
+):
+    """Rank 0 reads the data first while rank 1 waits; its bad row used to leave rank 1 with ~70 lines of gloo
+    tracebacks ("Connection closed by peer"). Now every rank stops at once with exit code 2, rank 0 alone says why,
+    and the output is rank 0's line and torchrun's own summary of the failed ranks."""
+    rows = dataset_file.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*rows[:4], '{"question": "", "solution": "7"}', *rows[4:8]]) + "\n")
+    out = run_cli(model_dir, bad, tmp_path / "run", 2, returncode=1)  # torchrun's code when a rank fails
+    expected = (
+        f"grpo-kernels train: error: dataset {str(bad)!r}, line 5: the prompt column 'question' (--prompt-column) "
+        "is empty"
+    )
+    lines = out.splitlines()
+    assert [line for line in lines if "error:" in line] == [expected], out
+    assert out.count("exitcode  : 2") == 2, out  # both ranks, in torchrun's summary
+    assert "Connection closed" not in out, out
+    assert not any('File "' in line and "grpo_kernels" in line for line in lines), out  # no rank's traceback
+    assert len(lines) <= 45, out  # rank 0's line and torchrun's summary (41 lines, its own traceback included)
+    assert not (tmp_path / "run").exists()  # stopped before the output folder was made
 
 
 def test_accelerate_launch_trains_the_adapter_of_torchrun(trained):
