@@ -795,7 +795,14 @@ def _aligned(*strides: int) -> bool:
     return all(s % 16 == 0 for s in strides)
 
 
-def _block_config(vocab: int) -> tuple[int, int]:
+def _scalar_rows(*tensors: torch.Tensor) -> bool:
+    """Rows that are neither ALIGNED nor HEAD (the kernels' heuristics): the plain path with scalar loads."""
+    args = {"ALIGNED": _aligned(*(s for t in tensors for s in (t.stride(0), t.stride(1))))}
+    return not args["ALIGNED"] and not _realigns(args | {f"t{i}": t for i, t in enumerate(tensors)},
+                                                 *(f"t{i}" for i in range(len(tensors))))  # fmt: skip
+
+
+def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
     """(BLOCK_V, num_warps) keyed on V: 8-16 elements per thread, one or two 16-byte vectors of bf16. The loads in
     flight come from pipelining the tile loop (`_pipeline`), not from wider tiles, so registers stay low: 0 spills
     on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9)."""
@@ -808,6 +815,8 @@ def _block_config(vocab: int) -> tuple[int, int]:
     if vocab <= 16384:  # 2-4 tiles of 4096
         return 4096, 8
     if vocab <= 65536:  # Llama-2 (32000), Mistral (32768): 4 tiles of 8192, 32 logits per thread; GPT-2 (50257): 7
+        return 8192, 8
+    if scalar_rows:  # the plain path's scalar loads need more registers than 16 warps leave (Triton 3.5 spills)
         return 8192, 8
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
 
@@ -933,8 +942,8 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     stages, per_sm = _pipeline(
         args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device), num_warps, mode
     )
-    if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads (no cp.async below 4 bytes): one program per SM
-        per_sm = 1
+    if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads: no cp.async to pipeline, one program per SM
+        return 1, _max_registers(num_warps, 1)
     return stages, _max_registers(num_warps, per_sm)
 
 
@@ -1008,7 +1017,7 @@ def row_stats(
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     state = empty_row_state(batch, length, logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab)
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits))
     grid = (_num_programs(rows, logits, False),)
     inv_tau = float(np.float32(1.0 / temperature))
     row_stats_fwd_kernel[grid](
@@ -1028,7 +1037,7 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
     batch, length, vocab = _assert_rows(logits, ids)
     parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab)
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits))
     grid = (_num_programs(rows, logits, False),)
     shard_partials_fwd_kernel[grid](
         logits, ids, parts, rows, length, vocab, offset,
@@ -1063,7 +1072,7 @@ def row_grad(
     kernel_state = row_state.contiguous().clone()
     kernel_state[..., 1::2] /= LN2.value  # natural units -> the kernel's log2 ones
     rows = batch * length
-    block_v, num_warps = _block_config(vocab)
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out))
     grid = (_num_programs(rows, logits, False),)  # one read per row
     row_stats_bwd_kernel[grid](
         logits, ids, kernel_state, g, h, out, rows, length, vocab,
@@ -1108,7 +1117,7 @@ def fused_token_grad(
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab)
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out))
     grid = (_num_programs(rows, logits, True, num_warps),)
     inv_tau = float(np.float32(1.0 / temperature))
     fused_token_grad_fwd_kernel[grid](

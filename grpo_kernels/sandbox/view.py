@@ -118,6 +118,11 @@ def _unique(paths) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
+# Folders the sample gets empty ones of its own in place of (launcher.fresh_folder, launcher.hide_shared_folders):
+# nothing installed there can be shown to it.
+SAMPLE_OWN = ("/tmp", "/run", "/dev/shm", "/var/tmp")
+
+
 def installed(names: tuple[str, ...], stdlib: list[str]) -> dict[str, list[str]]:
     """{sys.path folder: [entries]} of what `names` (top-level modules) need from their installed distributions:
     the package itself and what its wheel put beside it (numpy.libs, the .dist-info). A module of the standard
@@ -137,6 +142,13 @@ def installed(names: tuple[str, ...], stdlib: list[str]) -> dict[str, list[str]]
         places = [os.path.realpath(p) for p in spec.submodule_search_locations or [spec.origin]]
         if all(os.path.dirname(p) in map(os.path.realpath, stdlib) for p in places):
             continue
+        for place in places:
+            own = [f for f in SAMPLE_OWN if _inside(place, f)]
+            if own:
+                raise ValueError(
+                    f"packages: {name!r} is installed under {own[0]} ({place}), which the sample sees as an empty "
+                    "folder of its own: install it (the virtual environment) elsewhere to show it"
+                )
         for place in places:
             site, entry = os.path.split(place)
             entries = found.setdefault(site, [])

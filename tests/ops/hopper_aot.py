@@ -224,8 +224,8 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     vocab, dtype, flags = cfg["vocab"], cfg["dtype"], dict(cfg["flags"])
     if "HEAD" in getattr(kernel, "values", {}):  # a config that does not name it: the plain unaligned path
         flags.setdefault("HEAD", False)
-    if cfg["module"] == "triton_logits":
-        block_v, num_warps = module._block_config(vocab)
+    if cfg["module"] == "triton_logits":  # the plain path (neither ALIGNED nor HEAD) as the launchers plan it
+        block_v, num_warps = module._block_config(vocab, not flags.get("ALIGNED", True) and not flags.get("HEAD"))
     else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
         block_v, num_warps = module._block_v(vocab), 4
     # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the

@@ -278,7 +278,7 @@ def test_rows_strided_views(dtype, layout):
 def test_many_tiles_rising_max_and_persistent_loop(dtype, monkeypatch):
     """BLOCK_V forced to 16 (19 tiles of V = 300) on rows sorted ascending, so the running max rises at every
     tile and the sums are rescaled 18 times; the first tile is all −inf (no scale yet); 2 programs loop over 5 rows."""
-    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab: (16, 1))
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (16, 1))
     monkeypatch.setattr(triton_logits, "_num_programs", lambda rows, *a: 2)
     gen = torch.Generator().manual_seed(3)
     values = (4 * torch.randn(1, 5, 300, generator=gen, dtype=torch.float64)).sort(-1).values
@@ -410,7 +410,7 @@ def test_fused_in_place_two_tiles(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_extreme_logits_and_padding(dtype, monkeypatch):
-    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab: (32, 1))  # 10 tiles, some all −inf
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))  # 10 tiles, some all −inf
     gen = torch.Generator().manual_seed(10)
     scale = 1e4 if dtype == torch.float32 else 300.0
     values = scale * (2 * torch.rand(2, 3, 300, generator=gen, dtype=torch.float64) - 1)
