@@ -829,10 +829,6 @@ REFERENCE_SMS = 132
 REFERENCE_L2_BYTES = 50 << 20  # also the fallback when the device does not report its L2 size
 IN_FLIGHT_PER_SM = 32 << 10  # bytes of loads in flight per SM, averaged over all SMs
 L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fill (the gradient streams beside them)
-# The fused kernel's resident programs per SM at most: 2 leaves an 8-warp row (V up to 65536, 32 logits per thread
-# per tile) 128 registers, which its two tile loops and float64 log-ratio scalars need (at 3 it is capped at 80 and
-# spills); a 16-warp row gets one per SM.
-MAX_PROGRAMS_PER_SM = 2
 MAX_PIPELINE_BYTES = 192 << 10  # shared memory for the tiles in flight of one program (227 KiB per block on sm_90)
 # The fused kernel's two grids (`_fused_grid`). "sms": every SM busy (its resident programs), whatever the rows in
 # flight; "l2": no more programs than rows that fit L2_FRACTION of L2, so pass 2 re-reads from L2. By default the
