@@ -39,7 +39,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
 
 def _tile_shape(block_v: int, elem_bytes: int) -> tuple[int, int]:
     """(SLOTS, VEC) of a BLOCK_V tile (`_tile_offsets`): VEC logits in one 16-byte vector per slot. The ragged
-    tail of a row is scanned in quarter tiles (TAIL_SLOTS slots), so at most a quarter tile of work is wasted."""
+    tail of a row is scanned in smaller tiles of TAIL_SLOTS slots (`_tail_slots`)."""
     vec = min(16 // elem_bytes, block_v)
     return block_v // vec, vec
 
@@ -47,8 +47,14 @@ def _tile_shape(block_v: int, elem_bytes: int) -> tuple[int, int]:
 _TILE_HEURISTICS = {
     "SLOTS": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[0],
     "VEC": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[1],
-    "TAIL_SLOTS": lambda a: max(1, a["SLOTS"] // 4),  # the ragged tail goes in quarter tiles
+    "TAIL_SLOTS": lambda a: _tail_slots(a["SLOTS"], a.get("num_warps", 4)),
 }
+
+
+def _tail_slots(slots: int, num_warps: int) -> int:
+    """Slots of a tail tile: a quarter tile, but no fewer than one slot per thread. Fewer slots than threads lay
+    a slot's vector across lanes, and each tail tile then pays shuffles for its row reductions."""
+    return min(slots, max(slots // 4, 32 * num_warps))
 
 
 def _words(args: dict) -> bool:
@@ -161,21 +167,21 @@ def _row_scan(
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
     e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`).
     The row is [shift, n) from the aligned base `p_a` (see `_row_index`), its target at y_a. Full tiles load
-    unmasked; the ragged tail goes in masked quarter tiles after the loop. `EVICT`: the L2 policy
+    unmasked; the ragged tail goes in smaller masked tiles after the loop (`_tail_slots`). `EVICT`: the L2 policy
     ("evict_last" when pass 2 re-reads the row right away)."""
     x_y = tl.load(p_a + y_a).to(tl.float32)
     o_b = _tile_offsets(SLOTS, VEC)
     b_m = tl.full([SLOTS], float("-inf"), tl.float32)
     b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its max
     b_t = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e·z2 of the slot
-    v_full = n - n % BLOCK_V
+    v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
     # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline. A HEAD row's
     # first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >= its start) and
     # drops them in `_scan_tile`.
     for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
         b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
         b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
-    # The ragged tail in masked quarter tiles, into accumulators of their own shape (at most a quarter tile of
+    # The ragged tail in smaller masked tiles, into accumulators of their own shape (at most a tail tile of
     # work is spent on padding).
     CHUNK: tl.constexpr = TAIL_SLOTS * VEC
     o_c = _tile_offsets(TAIL_SLOTS, VEC)
@@ -255,8 +261,8 @@ def _row_grad_store(
     b_live = b_g != 0.0
     if HAS_ENT:
         b_live = b_live | (b_h != 0.0)
-    v_full = n - n % BLOCK_V
-    CHUNK: tl.constexpr = TAIL_SLOTS * VEC  # the ragged tail in quarter tiles, as in `_row_scan`
+    v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
+    CHUNK: tl.constexpr = TAIL_SLOTS * VEC  # the ragged tail in smaller tiles, as in `_row_scan`
     o_c = _tile_offsets(TAIL_SLOTS, VEC)
     if b_live:
         b_hs = b_h * LN2 * inv_tau
@@ -839,7 +845,8 @@ COPY_BANDWIDTH = 4.3e12  # B/s: the copy rate measured on an H200
 ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
 # Floor bytes per second (logits read + gradient written) that one busy SM's instruction issue allows the fused
 # kernel, by element size: 4 warp instructions per cycle at 1.98 GHz over the SASS instructions per row of the
-# sm_90a compile (tests/ops/test_performance_model.py holds these to every compiled plan within 20 %).
+# sm_90a compile, in the L2-sized grid's plan, the one it decides on (its deeper pipeline costs a few more
+# instructions per tile); tests/ops/test_performance_model.py holds these to every compiled plan within 20 %.
 FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 85e9}
 FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"

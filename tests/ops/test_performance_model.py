@@ -118,14 +118,15 @@ def predict(row: dict, compiled: dict) -> dict:
     # The tile loops are the software-pipelined ones (the tail and dead-row loops are short or load nothing).
     pipelined = [lp["bytes_per_program"] for lp in compiled["loops"] if lp["pipelined"]]
     per_program = min(pipelined) if pipelined else 0
-    # Each pass is a tile loop over the full tiles, then a loop over the ragged tail in quarter tiles, each of its
-    # iterations counted in full (where a compiler lays a quarter tile across threads, its exp2 count doubles and
-    # so does its cost: that is counted, not divided away).
+    # Each pass is a tile loop over the full tiles, then a loop over the ragged tail in smaller tiles, each of its
+    # iterations counted in full (where a compiler lays a tail tile across threads, its exp2 count doubles and so
+    # does its cost: that is counted, not divided away).
     loops = compiled["sass_loops"]
     passes = 2 if two_pass else 1
     assert len(loops) == 2 * passes, f"expected a tile loop and a tail loop per pass: {loops}"
     per_thread = block_v // (32 * warps)  # logits per thread per tile
-    chunk = block_v // 4  # the tail's quarter tiles
+    slots, vec = triton_logits._tile_shape(block_v, elem)
+    chunk = triton_logits._tail_slots(slots, warps) * vec  # the tail's tiles
     full_tiles = vocab // block_v
     chunks = math.ceil((vocab - full_tiles * block_v) / chunk)
     per_row = 0.0
@@ -210,41 +211,16 @@ def model(request) -> list[dict]:
     return out
 
 
-# Where the compiled model says the target is not met yet, by Triton version, dtype and vocabulary. The ragged tail
-# goes in quarter tiles; Triton 3.6 (and 3.9 for a row that is no multiple of 16) lays those out across threads
-# (shuffles, an exp2 count doubled), so a row with a tail pays for it: most at V = 32000 (4 quarter tiles). The
-# test holds this list to the compile both ways: every shape not listed meets the target, every listed one misses.
-KNOWN_SHORT = {
-    ("3.6", "bf16", 32000): "4 quarter tiles laid across threads",
-    ("3.6", "bf16", 50257): "a HEAD row's tail across threads",
-    ("3.6", "bf16", 128256): "tail across threads",
-    ("3.6", "bf16", 129280): "tail across threads",
-    ("3.6", "bf16", 151936): "tail across threads",
-    ("3.6", "bf16", 152064): "tail across threads",
-    ("3.9", "bf16", 50257): "a HEAD row's tail across threads",
-}
-
-
-def _known_key(m: dict) -> tuple[str, str, int]:
-    return ".".join(m["triton"].split(".")[:2]), m["dtype"], m["vocab"]
-
-
 def test_every_kernel_clears_the_copy_rate_at_issue(model):
     """Instruction issue is not the ceiling: every kernel's issue bound (at 100 % issue efficiency) is at least
-    ISSUE_MARGIN x the copy rate, at every vocabulary, dtype and device, in the plan the launcher picks, except the
-    shapes of KNOWN_SHORT, each of which must still miss (a stale entry fails)."""
+    ISSUE_MARGIN x the copy rate, at every vocabulary, dtype and device, in the plan the launcher picks."""
     target = ISSUE_MARGIN * COPY_BANDWIDTH
-    default = [m for m in model if m["grid_mode"] == "default"]
     low = [
         (m["device"], m["label"], m["dtype"], m["vocab"], round(m["issue"] / 1e12, 2))
-        for m in default
-        if m["issue"] < target and _known_key(m) not in KNOWN_SHORT
+        for m in model
+        if m["grid_mode"] == "default" and m["issue"] < target
     ]
     assert not low, f"issue bound below {ISSUE_MARGIN} x {COPY_BANDWIDTH / 1e12} TB/s: {low}"
-    seen = {_known_key(m) for m in default}
-    stale = [key for key in KNOWN_SHORT if key in seen and all(
-        m["issue"] >= target for m in default if _known_key(m) == key)]  # fmt: skip
-    assert not stale, f"KNOWN_SHORT entries that now meet the target (remove them): {stale}"
 
 
 def test_tile_loops_do_one_exp2_per_logit(model):
@@ -298,10 +274,16 @@ def test_no_spills_and_bytes_in_flight(model):
     assert not under, f"fewer resident programs per SM than planned: {under}"
 
 
+# The launcher judges the L2-sized grid's issue with one figure per element size (FUSED_ISSUE_BYTES_PER_SM), and
+# the Tritons' compiles differ by about 3 %: a grid whose compiled issue bound clears the target by less than that
+# may go either way.
+GRID_DEAD_BAND = 1.03
+
+
 def test_fused_grid_trade(model):
     """The L2-sized grid keeps its rows within L2_FRACTION of L2; the default grid is the faster of the two
-    predictions (within 2 %) among those whose issue bound clears the target: the issue rate of the SMs the
-    L2-sized grid leaves idle against the DRAM traffic of the full grid's misses."""
+    predictions (within 2 %) among those whose issue bound clears the target (by GRID_DEAD_BAND): the issue rate
+    of the SMs the L2-sized grid leaves idle against the DRAM traffic of the full grid's misses."""
     fused = [m for m in model if m["kernel"] == FUSED]
     over = [(m["device"], m["dtype"], m["vocab"], round(m["l2_set"] / 2**20, 1)) for m in fused
             if m["grid_mode"] == "l2" and m["l2_set"] > triton_logits.L2_FRACTION * m["l2"]]  # fmt: skip
@@ -317,7 +299,7 @@ def test_fused_grid_trade(model):
         print(f"  {m['device']} {m['dtype']} V={m['vocab']}: sms grid {alt['sms']['grid']} "
               f"{alt['sms']['predicted'] / 1e12:.2f} TB/s (miss {alt['sms']['miss']:.2f}), l2 grid "
               f"{alt['l2']['grid']} {alt['l2']['predicted'] / 1e12:.2f} TB/s; default {m['grid_name']}")  # fmt: skip
-        eligible = [o for o in alt.values() if o["issue"] >= ISSUE_MARGIN * COPY_BANDWIDTH]
+        eligible = [o for o in alt.values() if o["issue"] >= GRID_DEAD_BAND * ISSUE_MARGIN * COPY_BANDWIDTH]
         best = max(eligible or alt.values(), key=lambda o: o["predicted"])
         if m["predicted"] < 0.98 * best["predicted"]:
             slower.append((m["device"], m["dtype"], m["vocab"], m["grid_name"], best["grid_mode"]))
