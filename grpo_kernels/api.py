@@ -1,7 +1,7 @@
 """The public entry points: `grpo_loss`, `GRPOLoss`, `selective_log_softmax`.
 
-A call flows (docs/architecture.md draws it): validate once -> `LossConfig` + `TokenInputs` + aggregation weights
--> `_GRPOLossFunction` -> a `RowBackend` from `dispatch.pick_backend` (Triton on CUDA, chunked torch elsewhere).
+A call flows (docs/architecture.md draws it): validate once (`boundary.py`: `LossConfig`, `TokenInputs`, value
+checks, aggregation weights) -> `_GRPOLossFunction` -> a `RowBackend` from `dispatch.pick_backend` (Triton on CUDA, chunked torch elsewhere).
 The gradient is computed in the forward, while the row is hot; backward only scales it, on the device. With
 check_inputs=False nothing is read back to the host between entry and return, nor in the backward (the value checks
 stay on the device: `validation.value_guard`), so a call can be captured in a CUDA graph.
@@ -14,29 +14,16 @@ from typing import Any
 
 import torch
 
+from . import boundary
+from .boundary import loss_options, prepare_tokens
 from .compile_op import compiled_grpo_loss
-from .config import LossConfig, make_config
+from .config import LossConfig
 from .dispatch import pick_backend, scale_
-from .distributed import check_group, resolve_data_group
-from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective, per_token_objective
+from .distributed import resolve_data_group
+from .loss_math import TokenInputs, coefficients, entropy_bonus_weights, objective_coefficients, per_token_objective
 from .ops.rows import RowBackend
-from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs, value_guard
+from .validation import check_ids, check_ids_range, check_logits, value_guard
 from .vocab_parallel import ShardBackend, shard_offset
-
-
-REDUCTIONS = ("loss_type", "none")
-AGGREGATE_ONLY_OPTIONS = ("entropy_coef", "num_items_in_batch", "max_completion_length")
-
-
-def check_per_token_config(cfg: LossConfig) -> None:
-    """reduction="none" refuses, by name, the options that only have a meaning for the aggregated loss."""
-    for name in AGGREGATE_ONLY_OPTIONS:
-        value = getattr(cfg, name)
-        if value not in (None, 0.0):
-            raise ValueError(
-                f"{name}={value!r} only applies to the aggregated loss and cannot be used with reduction='none' "
-                "(aggregate the per-token loss yourself, or use the default reduction)"
-            )
 
 
 @dataclass
@@ -84,23 +71,19 @@ def forward_rows(
             cfg=cfg,
             out=out,
         )
-        with torch.no_grad():  # logp is float64 here (exact, see ops/rows.py)
-            loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg, weights)
+        # logp is float64 here (exact, see ops/rows.py); the gradient is written already
+        loss, metrics, _, _ = objective_coefficients(logp, entropy, inp, cfg, weights, False)
         return loss, logp.float(), entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
     # ℓ comes in float64 (ops/rows.py, "ℓ in float64"): exp(ℓ − ℓ_old) and the KL are exact for any |ℓ|.
     logp64, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
     logp = logp64.to(entropy.dtype)  # float32 (float64 for float64 logits)
-    with torch.enable_grad():
-        lp = logp64.detach().requires_grad_(out is not None)  # a tensor of its own, also for float64 logits
-        ent = entropy.detach().double().requires_grad_(out is not None and cfg.entropy_coef != 0.0)
-        loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
+    loss, metrics, g, h = objective_coefficients(logp64, entropy, inp, cfg, weights, out is not None)
     if out is not None:
-        grads = torch.autograd.grad(loss, [lp, ent] if ent.requires_grad else [lp])
-        h = grads[1].to(logp.dtype) if len(grads) > 1 else None
-        backend.row_grad(logits, ids, row_state, grads[0].to(logp.dtype), h, cfg.temperature, out)
-    return loss.detach(), logp, entropy, metrics
+        h = None if h is None else h.to(logp.dtype)
+        backend.row_grad(logits, ids, row_state, g.to(logp.dtype), h, cfg.temperature, out)
+    return loss, logp, entropy, metrics
 
 
 class _GRPOLossFunction(torch.autograd.Function):
@@ -157,12 +140,8 @@ class _PerTokenLossFunction(torch.autograd.Function):
         logits, ids, row_state = ctx.saved_tensors
         lp, per_token = ctx.graph
         ctx.graph = None
-        if per_token.requires_grad:
-            (g,) = torch.autograd.grad(per_token, lp, grad_loss.to(per_token.dtype), allow_unused=True)
-        else:  # e.g. every token masked: L is the constant 0
-            g = None
-        g = torch.zeros(ids.shape, dtype=row_state.dtype, device=ids.device) if g is None else g.to(row_state.dtype)
-        g = g.contiguous()
+        g, _ = coefficients(per_token, lp, None, grad_loss.to(per_token.dtype))  # zeros where L is constant
+        g = g.to(row_state.dtype).contiguous()
         out = logits if ctx.inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         ctx.backend.row_grad(logits, ids, row_state, g, None, ctx.cfg.temperature, out)
         return out, None, None, None, None, None, None
@@ -293,59 +272,39 @@ def grpo_loss(
         >>> out = grpo_loss(logits, ids, advantages=torch.tensor([1.0, -1.0]))
         >>> out.loss.backward()
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if torch.compiler.is_compiling():
-        if reduction != "loss_type":
-            raise ValueError("reduction='none' is not supported under torch.compile; call grpo_loss eagerly")
-        if vocab_parallel_group is not None:
-            raise ValueError("vocab_parallel_group is not supported under torch.compile; call grpo_loss eagerly")
-        if inplace_backward:
-            raise ValueError(
-                "inplace_backward=True is not supported under torch.compile (the op may not mutate its input)"
-            )
-        tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
-        data_group = resolve_data_group(data_parallel_group, None)
-        return GRPOOutput(*compiled_grpo_loss(logits, completion_ids, tensors, backend, config, options, data_group))
-    cfg = make_config(config, options)
-    if reduction == "none":
-        check_per_token_config(cfg)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
-    check_group("vocab_parallel_group", vocab_parallel_group)
-    check_group("data_parallel_group", data_parallel_group)
+    cfg = loss_options(
+        config, options, "grpo_loss", reduction=reduction, inplace_backward=inplace_backward,
+        vocab_parallel_group=vocab_parallel_group, data_parallel_group=data_parallel_group,
+    )  # fmt: skip
     logits = check_logits(logits)
     batch, length, vocab = logits.shape
     ids = check_ids(completion_ids, batch, length, logits.device)
+    tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
+    if boundary.compiling():  # two opaque row ops around the traced objective (compile_op.py)
+        call = prepare_tokens(cfg, ids, vocab, tensors, resolve_data_group(data_parallel_group, None), logits=logits)
+        return GRPOOutput(*compiled_grpo_loss(logits, call, backend))
     rows = pick_backend(logits.device, backend, logits.dtype)
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, logits.device)
         rows = ShardBackend(vocab_parallel_group, offset, rows)
-    data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
-    inp = token_inputs(
-        batch, length, logits.device,
-        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
-        beta=cfg.beta, data_group=data_group,
-    )  # fmt: skip
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
-    if cfg.check_inputs:
-        check_values(  # the call's one host sync: ids against the full vocabulary (of a shard too), mask, ρ, ...
-            ids, vocab, inp, beta=cfg.beta, logits=logits, logits_are_shard=vocab_parallel_group is not None,
-        )  # fmt: skip
-    guard = value_guard(ids, vocab, inp)  # on the device: in-range ids, NaN results for invalid values
+    call = prepare_tokens(
+        cfg, ids, vocab, tensors, resolve_data_group(data_parallel_group, vocab_parallel_group),
+        logits=logits, logits_are_shard=vocab_parallel_group is not None, aggregate=reduction != "none",
+    )  # fmt: skip
     metrics: dict[str, torch.Tensor] = {}
     if reduction == "none":
         loss, logp, entropy = _PerTokenLossFunction.apply(
-            logits, guard.ids, cfg, rows, inp, inplace_backward, metrics
+            logits, call.ids, cfg, rows, call.inp, inplace_backward, metrics
         )
     else:
-        weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call (an all-reduce for the dapo family)
         loss, logp, entropy = _GRPOLossFunction.apply(
-            logits, guard.ids, cfg, rows, inp, weights, inplace_backward, metrics
+            logits, call.ids, cfg, rows, call.inp, call.weights, inplace_backward, metrics
         )
+    guard = call.guard
     return GRPOOutput(
-        loss=loss * guard.call, logp=guard.tokens(logp), entropy=guard.tokens(entropy), metrics=guard.scalars(metrics)
+        loss=loss * call.factor, logp=guard.tokens(logp), entropy=guard.tokens(entropy), metrics=guard.scalars(metrics)
     )
 
 
@@ -366,11 +325,8 @@ class GRPOLoss(torch.nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
-        self.config = make_config(config, options, "GRPOLoss")  # validates now, not at the first step
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if reduction == "none":
-            check_per_token_config(self.config)
+        # Validated now, not at the first step (and again, by the same function, at each call).
+        self.config = loss_options(config, options, "GRPOLoss", reduction=reduction, inplace_backward=inplace_backward)
         self.inplace_backward, self.reduction = inplace_backward, reduction
         self.backend = backend
 

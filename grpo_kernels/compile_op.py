@@ -4,24 +4,23 @@ Eager calls go through the autograd.Function in api.py (the one-read fused path)
 cannot trace the kernels' host code, so grpo_loss calls `compiled_grpo_loss`: two opaque ops, `row_stats`
 (forward) and `row_grad` (its backward), with the O(B·T) objective traced between them; AOT autograd
 differentiates that objective to get g and h. This is the two-read schedule of the sequence-level options, for
-every option. The value checks are eager's: on the device in the traced code (`value_guard`), and with
-check_inputs=True `check_values` in an op of its own, which reads its findings back and raises by name. Imports
-api's helpers, never api itself (api imports this module).
+every option. The call is prepared by eager's boundary (`boundary.py`): the value checks on the device in the
+traced code (`value_guard`), and with check_inputs=True `check_values` in an op of its own, which reads its
+findings back and raises by name.
 """
 
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 from typing import Any
 
 import torch
 
-from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
+from .config import OPTION_DEFAULTS, LossConfig, check_option_names, config_from_encoded, encode_options
 from .dispatch import pick_backend
 from .loss_math import TokenInputs, grpo_objective
 from .ops.rows import RowBackend, empty_row_state, stats_dtype
-from .validation import check_ids, check_logits, check_values, token_inputs, value_guard
+from .validation import TokenCall, check_values
 
 
 def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
@@ -100,21 +99,22 @@ def traced_config(options: dict[str, Any], config: LossConfig | None = None) -> 
 
 
 @torch.library.custom_op("grpo_kernels::validate_config", mutates_args=())
-def validate_config(x: torch.Tensor, loss_type: str, level: str, numbers: list[float]) -> torch.Tensor:
-    """Runs LossConfig's checks at trace time (through the fake) and at run time; returns a copy of `x`'s sum."""
-    config_from_flat([loss_type, level], numbers)
+def validate_config(x: torch.Tensor, options: str) -> torch.Tensor:
+    """Runs LossConfig's checks on the options (`config.encode_options`: each value with its type) at trace time
+    (through the fake) and at run time; returns a 0-d zero."""
+    config_from_encoded(options)
     return x.new_zeros(())
 
 
 @validate_config.register_fake
-def _(x, loss_type, level, numbers):
-    config_from_flat([loss_type, level], numbers)
+def _(x, options):
+    config_from_encoded(options)
     return x.new_empty(())
 
 
 @torch.library.custom_op("grpo_kernels::check_values", mutates_args=())
 def check_values_op(
-    logits: torch.Tensor,
+    logits: torch.Tensor | None,
     ids: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
@@ -122,52 +122,32 @@ def check_values_op(
     ref_logp: torch.Tensor | None,
     is_ratio: torch.Tensor | None,
     beta: float,
+    vocab: int,
 ) -> torch.Tensor:
     """check_inputs=True: eager's `check_values` at run time (one host read; a ValueError naming the argument).
     Returns a 0-d zero, added to the loss's factor by the caller so that the op is never dropped as unused."""
     inp = TokenInputs(advantages, mask, old_logp, ref_logp, is_ratio, None)
-    check_values(ids, logits.shape[-1], inp, beta=beta, logits=logits)
+    check_values(ids, vocab, inp, beta=beta, logits=logits)
     return mask.new_zeros((), dtype=torch.float32)
 
 
 @check_values_op.register_fake
-def _(logits, ids, advantages, mask, old_logp, ref_logp, is_ratio, beta):
+def _(logits, ids, advantages, mask, old_logp, ref_logp, is_ratio, beta, vocab):
     return mask.new_empty((), dtype=torch.float32)
 
 
-def flat_numbers(cfg: TracedConfig) -> list[float]:
-    numbers = []
-    for name in NUMERIC_OPTIONS:
-        value = getattr(cfg, name)
-        numbers.append(math.nan if value is None else float(value))
-    return numbers
+def encoded_options(cfg: TracedConfig) -> str:
+    return encode_options(cfg._asdict())
 
 
 def compiled_grpo_loss(
-    logits: torch.Tensor,
-    completion_ids: torch.Tensor,
-    tensors: tuple[Any, ...],
-    backend: str,
-    config: LossConfig | None,
-    options: dict[str, Any],
-    data_group: Any,
+    logits: torch.Tensor, call: TokenCall, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """grpo_loss as traced by torch.compile: (loss, logp, entropy, metrics), opaque row ops around a traced
-    O(B·T) objective. Validation is the same as eager (`validate_config` runs LossConfig's checks)."""
-    cfg = traced_config(options, config)
-    validate_config(logits, cfg.loss_type, cfg.importance_sampling_level, flat_numbers(cfg))
-    logits = check_logits(logits)
-    batch, length, _ = logits.shape
-    ids = check_ids(completion_ids, batch, length, logits.device)
-    inp = token_inputs(batch, length, logits.device, *tensors, beta=cfg.beta, data_group=data_group)
-    guard = value_guard(ids, logits.shape[-1], inp)
-    call = guard.call
-    if cfg.check_inputs:  # its zero joins the loss's factor: an op whose result is used is never dropped
-        call = call + check_values_op(
-            logits.detach(), ids, inp.advantages, inp.mask, inp.old_logp, inp.ref_logp, inp.is_ratio, cfg.beta
-        )
-    logp, entropy, _ = row_stats_op(logits, guard.ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
-    loss, metrics = grpo_objective(logp, entropy.double(), inp, cfg)
-    loss = loss.to(entropy.dtype) * call
+    O(B·T) objective. `call` comes from the same boundary as eager's (`boundary.prepare_tokens`)."""
+    cfg, guard = call.cfg, call.guard
+    logp, entropy, _ = row_stats_op(logits, call.ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
+    loss, metrics = grpo_objective(logp, entropy.double(), call.inp, cfg, call.weights)
+    loss = loss.to(entropy.dtype) * call.factor
     logp, entropy = guard.tokens(logp.detach().to(entropy.dtype)), guard.tokens(entropy.detach())
     return loss, logp, entropy, guard.scalars(metrics)

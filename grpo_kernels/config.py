@@ -6,6 +6,7 @@ loss-type families are defined here and nowhere else. What each option means: do
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -172,21 +173,32 @@ def make_config(config: LossConfig | None, options: dict[str, Any], where: str =
 # Flat forms of the options for the torch.library op (a custom op takes primitives, not a dataclass), computed at
 # import time so that code traced by torch.compile only reads constants.
 OPTION_DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(LossConfig)}
-STRING_OPTIONS = ("loss_type", "importance_sampling_level")
-NUMERIC_OPTIONS = tuple(name for name in OPTION_DEFAULTS if name not in STRING_OPTIONS)
+# The option values as strings, type and value both ("float:0.1", "str:'0.1'", "NoneType:None"), so that a custom
+# op (torch.compile's `validate_config`) can rebuild exactly what the caller passed and validate it as LossConfig does.
+_PLAIN_TYPES = {t.__name__: t for t in (bool, int, float, str, type(None))}
+_SEPARATOR = "\x1f"
 
 
-def config_from_flat(strings: list[str], numbers: list[float]) -> LossConfig:
-    """Inverse of the flattening in `compile_op`: NaN stands for None, 0/1 for the booleans."""
-    values: dict[str, object] = dict(zip(STRING_OPTIONS, strings))
-    for name, x in zip(NUMERIC_OPTIONS, numbers):
-        default = OPTION_DEFAULTS[name]
-        if math.isnan(x):
-            values[name] = None
-        elif isinstance(default, bool):
-            values[name] = bool(x)
-        elif name == "max_completion_length":
-            values[name] = int(x)
+def encode_options(values: dict[str, Any]) -> str:
+    """`values` (every LossConfig field) as "type:repr" strings, in field order, joined by a control character that
+    no repr holds unescaped; an object of another type keeps only its type's name (LossConfig refuses it by it)."""
+    out = []
+    for name in OPTION_DEFAULTS:
+        value = values[name]
+        kind = type(value).__name__
+        out.append(f"{kind}:{value!r}" if kind in _PLAIN_TYPES else f"{kind}:")
+    return _SEPARATOR.join(out)
+
+
+def config_from_encoded(encoded: str) -> LossConfig:
+    """Inverse of `encode_options`, then LossConfig's checks (TypeError/ValueError naming the option)."""
+    values: dict[str, object] = {}
+    for name, item in zip(OPTION_DEFAULTS, encoded.split(_SEPARATOR), strict=True):
+        kind, text = item.split(":", 1)
+        if kind not in _PLAIN_TYPES:
+            values[name] = type(kind, (), {})()  # a stand-in of the same type name
+        elif kind == "float":
+            values[name] = float(text)  # repr round-trips, nan and inf included
         else:
-            values[name] = x
+            values[name] = ast.literal_eval(text)
     return LossConfig(**values)

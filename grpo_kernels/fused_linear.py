@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from .api import GRPOOutput
-from .config import LossConfig, make_config
+from .boundary import loss_options, prepare_tokens
+from .config import LossConfig
 from .dispatch import pick_linear_backend, scale_
 from .distributed import check_group, gather_sharded, resolve_data_group
-from .loss_math import TokenInputs, aggregation_weights, grpo_objective
+from .loss_math import objective_coefficients
 from .ops.rows import LinearBackend
-from .validation import check_ids, check_ids_range, check_rows_tensor, check_values, token_inputs, value_guard
+from .validation import check_ids, check_ids_range, check_rows_tensor, value_guard
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -168,21 +169,17 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         # The tiles' precision is fixed here (fp32 logits, fp32 accumulation), not by an enclosing autocast.
         with torch.autocast(hidden.device.type, enabled=False):
             logp, entropy, lse = backend.stats(hidden, weight, bias, ids, cfg.temperature)
-            with torch.enable_grad():
-                lp = logp.detach().double().requires_grad_(any(needs))
-                ent = entropy.detach().double().requires_grad_(any(needs) and cfg.entropy_coef != 0.0)
-                loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
+            loss, metrics, g, h = objective_coefficients(logp, entropy, inp, cfg, weights, any(needs))
             grads: tuple[torch.Tensor | None, ...] = (None, None, None)
-            if any(needs):
-                wrt = [lp] + ([ent] if ent.requires_grad else [])
-                dl = torch.autograd.grad(loss, wrt, allow_unused=True)
-                g = torch.zeros_like(logp) if dl[0] is None else dl[0].to(logp.dtype)
-                h = dl[1].to(logp.dtype) if len(dl) > 1 and dl[1] is not None else None
-                grads = backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, cfg.temperature, needs)
+            if g is not None:
+                h = None if h is None else h.to(logp.dtype)
+                grads = backend.grads(
+                    hidden, weight, bias, ids, lse, entropy, g.to(logp.dtype), h, cfg.temperature, needs
+                )
         metrics_out.update(metrics)
         ctx.grads = grads
         ctx.mark_non_differentiable(logp, entropy)
-        return loss.detach().to(logp.dtype), logp, entropy
+        return loss.to(logp.dtype), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):  # type: ignore[override]
@@ -263,26 +260,20 @@ def fused_linear_grpo_loss(
         >>> out = fused_linear_grpo_loss(hidden, lm_head.weight, ids, advantages=torch.tensor([1.0, -1.0]))
         >>> out.loss.backward()  # hidden.grad, lm_head.weight.grad
     """
-    cfg = make_config(config, options, "fused_linear_grpo_loss")
-    check_group("data_parallel_group", data_parallel_group)
+    cfg = loss_options(
+        config, options, "fused_linear_grpo_loss",
+        vocab_parallel_group=vocab_parallel_group, data_parallel_group=data_parallel_group,
+    )  # fmt: skip
     hidden, weight, bias, ids, rows, vocab = _prepare(
         hidden, weight, bias, completion_ids, backend, vocab_parallel_group
     )
-    batch, length, _ = hidden.shape
-    data_group = resolve_data_group(data_parallel_group, vocab_parallel_group)
-    inp: TokenInputs = token_inputs(
-        batch, length, hidden.device,
-        advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp,
-        beta=cfg.beta, data_group=data_group,
-    )  # fmt: skip
-    if cfg.check_inputs:
-        check_values(ids, vocab, inp, beta=cfg.beta)  # the call's one host sync
-    guard = value_guard(ids, vocab, inp)  # on the device: in-range ids, NaN results for invalid values
-    weights = aggregation_weights(inp.mask, cfg, data_group)  # once per call
+    tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
+    call = prepare_tokens(cfg, ids, vocab, tensors, resolve_data_group(data_parallel_group, vocab_parallel_group))
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _FusedLinearGRPOFunction.apply(
-        hidden, weight, bias, cfg, rows, inp, weights, guard.ids, metrics
+        hidden, weight, bias, cfg, rows, call.inp, call.weights, call.ids, metrics
     )
+    guard = call.guard
     return GRPOOutput(
-        loss=loss * guard.call, logp=guard.tokens(logp), entropy=guard.tokens(entropy), metrics=guard.scalars(metrics)
+        loss=loss * call.factor, logp=guard.tokens(logp), entropy=guard.tokens(entropy), metrics=guard.scalars(metrics)
     )

@@ -218,6 +218,41 @@ def grpo_objective(
     return loss, metrics
 
 
+def objective_coefficients(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    inp: TokenInputs,
+    cfg: LossConfig,
+    weights: torch.Tensor | None,
+    need_grad: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """The step from the objective to the row kernels' gradient coefficients, for every backend: (loss, detached;
+    metrics; g = ∂loss/∂ℓ; h = ∂loss/∂H, None where the loss does not depend on H). ℓ (float64) and H are made
+    autograd leaves of `grpo_objective`; g and h are float64, None both without `need_grad`."""
+    with torch.enable_grad():
+        lp = logp.detach().double().requires_grad_(need_grad)
+        ent = entropy.detach().double().requires_grad_(need_grad and cfg.entropy_coef != 0.0)
+        loss, metrics = grpo_objective(lp, ent, inp, cfg, weights)
+    if not need_grad:
+        return loss.detach(), metrics, None, None
+    g, h = coefficients(loss, lp, ent if ent.requires_grad else None)
+    return loss.detach(), metrics, g, h
+
+
+def coefficients(
+    output: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None, grad_output: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(g, h) = the vector-Jacobian product of `output` (the loss, or reduction="none"'s per-token loss with its
+    upstream gradient `grad_output`) with the leaves ℓ and H (None: not differentiated); g is zeros where the output
+    does not depend on ℓ (every token masked)."""
+    wrt = [logp] if entropy is None else [logp, entropy]
+    grads = (None, None)
+    if output.requires_grad:
+        grads = (*torch.autograd.grad(output, wrt, grad_output, allow_unused=True), None)
+    g = torch.zeros_like(logp) if grads[0] is None else grads[0]
+    return g, grads[1] if entropy is not None else None
+
+
 def _objective_metrics(
     terms: PerTokenTerms, entropy: torch.Tensor, inp: TokenInputs, cfg: LossConfig
 ) -> dict[str, torch.Tensor]:

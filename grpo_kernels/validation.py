@@ -9,6 +9,7 @@ not: `check_values` (check_inputs=True) reads its findings back once and raises 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -155,6 +156,24 @@ class ValueGuard(NamedTuple):
 
     def scalars(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: value * self.call for name, value in metrics.items()}
+
+
+@dataclass(frozen=True)
+class TokenCall:
+    """A call's per-token side, checked: what the autograd functions and the compiled op take.
+
+    `ids` lie in [0, V) (`ValueGuard`); `factor` is the loss's and the metrics' factor (1, NaN for an invalid value
+    at an active token; under torch.compile with check_inputs=True it also carries the check op's zero, so that the
+    op is never dropped as unused); `weights` are `loss_math.aggregation_weights`, once per call (None with
+    reduction="none")."""
+
+    cfg: Any  # LossConfig, or its traced stand-in under torch.compile
+    ids: torch.Tensor
+    inp: TokenInputs
+    guard: ValueGuard
+    factor: torch.Tensor
+    weights: torch.Tensor | None
+    data_group: Any
 
 
 def _nan_where(bad: torch.Tensor) -> torch.Tensor:

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
 
 from grpo_kernels import (
     GRPOLoss,
+    boundary,
     fused_linear_grpo_loss,
     fused_linear_log_softmax,
     grpo_loss,
     selective_log_softmax,
 )
-from grpo_kernels.compile_op import compiled_grpo_loss
 from grpo_kernels.ops import cpu_rows
 
 from .conftest import HAS_TRITON_DEVICE, ON_GPU
@@ -181,15 +182,14 @@ def _fused_linear_log_softmax(backend: str) -> list[torch.Tensor]:
 
 
 def _compiled(backend: str, options: dict) -> list[torch.Tensor]:
-    """What torch.compile traces around its two custom ops (compile_op.py), run eagerly: the same Python, the ops
-    executed as they are at run time."""
+    """What torch.compile traces: grpo_loss's own Python as it runs while compiling (boundary.compiling() true),
+    its custom ops (compile_op.py) executed as they are at run time."""
     args = _inputs()
     x = _leaf(args.pop("logits"))
-    names = ("advantages", "completion_mask", "old_logp", "ref_logp", "importance_sampling_ratio")
-    tensors = (*(args[n] for n in names), None)  # sampling_logp: the default
-    loss, logp, entropy, metrics = compiled_grpo_loss(x, args["completion_ids"], tensors, backend, None, options, None)
-    loss.backward()
-    return [loss, logp, entropy, *metrics.values(), x.grad]
+    with mock.patch.object(boundary, "compiling", return_value=True):
+        out = grpo_loss(x, **args, backend=backend, **options)
+    out.loss.backward()
+    return [out.loss, out.logp, out.entropy, *out.metrics.values(), x.grad]
 
 
 CALLS = {

@@ -334,3 +334,56 @@ def test_out_of_range_ids_never_reach_a_kernel_and_give_nan(backend, monkeypatch
     (logp.nan_to_num() - entropy.nan_to_num()).sum().backward()
     assert torch.equal(logp.isnan(), bad) and torch.equal(h.grad.isnan().all(-1), bad)
     assert seen and all(0 <= lo and hi < V for lo, hi in seen), seen
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Eager and torch.compile cross the same boundary (grpo_kernels/boundary.py): the same inputs are refused, by the
+# same message, and the same ones accepted.
+
+
+def _compiled(**kwargs):
+    """grpo_loss under torch.compile(fullgraph=True), traced afresh (a graph of its own per case: no cache, no
+    recompile limit), through a backend that records the graphs, so that a call that silently ran eagerly fails."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda kw: grpo_loss(backend="torch", **kw), fullgraph=True, backend=record)
+    return step(kwargs), graphs
+
+
+COMPILE_ONLY = {"inplace_backward"}  # refused under compile for what the op cannot do, not for its type
+
+
+@pytest.mark.parametrize("changes,error,fragment", CASES, ids=[c[2][:40] for c in CASES])
+def test_compiled_calls_refuse_what_eager_refuses(changes, error, fragment):
+    with pytest.raises(Exception, match=re.escape(fragment)) as caught:
+        _compiled(**{**good(), **changes})
+    # fullgraph wraps the error (dynamo's Unsupported over its ObservedValueErrorError, or a fake op's error at
+    # trace time): the eager type is named in the chain
+    chain, exc = [], caught.value
+    while exc is not None:
+        chain.append(type(exc).__name__)
+        exc = exc.__cause__
+    named = any(error.__name__ in name for name in chain) or f"{error.__name__}(" in str(caught.value)
+    assert named or set(changes) & COMPILE_ONLY, chain
+
+
+@pytest.mark.parametrize("changes,fragment", VALUE_CASES, ids=[c[1][:40] for c in VALUE_CASES])
+def test_compiled_calls_check_values_as_eager_does(changes, fragment):
+    with pytest.raises(Exception, match=re.escape(fragment)):
+        _compiled(**{**good(), **changes}, check_inputs=True)
+    out, graphs = _compiled(**{**good(), **changes})  # off: accepted, NaN results, as eager
+    assert graphs and out.loss.isnan() and all(m.isnan() for m in out.metrics.values())
+
+
+def test_compiled_calls_accept_what_eager_accepts():
+    kwargs = {**good(), "completion_mask": torch.tensor([[1, 0, 1], [1, 1, 0]]), "check_inputs": True}
+    out, graphs = _compiled(**kwargs)
+    eager = grpo_loss(backend="torch", **kwargs)
+    assert graphs, "the call ran eagerly"
+    torch.testing.assert_close(out.loss, eager.loss)
+    assert out.metrics.keys() == eager.metrics.keys()
