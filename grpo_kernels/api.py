@@ -250,19 +250,15 @@ def grpo_loss(
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         vocab_parallel_group: a torch.distributed group over which the vocabulary is sharded (Megatron-style
             tensor-parallel lm_head): `logits` is this rank's contiguous shard [B, T, V_rank], shards in rank order,
-            `completion_ids` are global ids. One all-gather of [B, T, 5] partials per call; the loss and ℓ, H are
-            those of the full vocabulary, and each rank gets its shard's gradient (two reads of the shard).
+            global `completion_ids`; the results are the full vocabulary's, each rank gets its shard's gradient.
         data_parallel_group: the group the cross-rank defaults span (dapo-family token count, entropy quantile,
-            metrics). Default: the default process group when torch.distributed is initialized and no
-            vocab_parallel_group is given; with one, no data-parallel reduction unless this is set.
-        config: a `LossConfig` holding the options below (default: TRL's defaults); `**options` override its fields.
-        **options: loss_type ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"), beta,
-            epsilon_low, epsilon_high, delta, temperature, importance_sampling_level ("token" | "sequence"),
-            use_bias_correction_kl, max_completion_length, num_items_in_batch, sapo_temperature_pos/neg,
-            vespo_k_pos/neg, vespo_lambda_pos/neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef
-            (see `LossConfig`; defaults as in TRL's GRPOConfig), check_inputs (check the values on the host, one
-            host sync: raise on ids outside [0, V), a mask other than 0/1, ρ < 0 and NaN/inf at unmasked tokens,
-            logits included; off, nothing is read back). Validated once, here, into one `LossConfig`.
+            metrics); default: the default process group when torch.distributed is initialized and no
+            vocab_parallel_group is given.
+        config: a `LossConfig` holding the options (default: TRL's defaults); `**options` override its fields.
+        **options: any `LossConfig` field: loss_type ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo",
+            "vespo"), beta, epsilon_low/high, delta, temperature, importance_sampling_level, ... (docs/loss.md).
+            check_inputs=True checks the values on the host (one host sync) and raises, naming the argument, on ids
+            outside [0, V), a mask other than 0/1, ρ < 0 and NaN/inf at unmasked tokens, logits included.
     Returns:
         GRPOOutput(loss, logp, entropy, metrics); `loss` is [B, T] with reduction="none".
 
@@ -283,6 +279,25 @@ def grpo_loss(
     if boundary.compiling():  # two opaque row ops around the traced objective (compile_op.py)
         call = prepare_tokens(cfg, ids, vocab, tensors, resolve_data_group(data_parallel_group, None), logits=logits)
         return GRPOOutput(*compiled_grpo_loss(logits, call, backend))
+    return _eager_loss(
+        logits, ids, tensors, cfg, reduction, inplace_backward, backend, vocab_parallel_group, data_parallel_group
+    )
+
+
+def _eager_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    tensors: tuple[Any, ...],
+    cfg: LossConfig,
+    reduction: str,
+    inplace_backward: bool,
+    backend: str,
+    vocab_parallel_group: Any,
+    data_parallel_group: Any,
+) -> GRPOOutput:
+    """`grpo_loss` outside torch.compile, its options checked: the row backend (a vocabulary shard of it), the
+    per-token side of the boundary, then the autograd function of the reduction."""
+    vocab = logits.shape[-1]
     rows = pick_backend(logits.device, backend, logits.dtype)
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, logits.device)
