@@ -21,6 +21,7 @@ import math
 import types
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -131,136 +132,180 @@ def _fused_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any
     With `self.use_fused_linear`, `fused_linear_grpo_loss` scores the same tokens from the lm_head's input hidden
     states and its weight, with the same options, normalizers and metrics.
     """
-    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    length = completion_ids.size(1)  # T
-    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-    mode = "train" if self.model.training else "eval"
-
-    # ---- the forward: plain logits (TRL's fused head is off unless `fused_lm_head=True` is passed), or, in the
-    # fused-linear mode, the hidden states the lm_head would have scored
     mapping = _integration_state(self).mapping
+    mode = "train" if self.model.training else "eval"
+    batch = _batch_inputs(self, inputs, mapping)
+    outputs, score = _forward(self, model, inputs, batch, mapping)
+    accumulation, scale = _normalizers(self, mode, mapping)
+    options = _loss_options(self, batch) | {"entropy_coef": _entropy_coef(self) / (accumulation * scale)}
+    out = score(batch.completion_ids, batch.advantages, batch.mask, batch.old_logp, batch.ref_logp, **options)
+    loss = out.loss * scale if scale != 1.0 else out.loss
+    if self._entropy_bonus_enabled:
+        _log_entropy_bonus(self, out, batch.mask, scale, mode, mapping)
+    if self.aux_loss_enabled:  # the MoE load-balancing loss, scaled for gradient accumulation like the policy loss
+        aux_loss = outputs.aux_loss
+        loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+    _log_metrics(self, out, batch, mode, mapping)
+    return loss
+
+
+@dataclass
+class _Batch:
+    """One `_compute_loss` call's tensors, as the loss reads them."""
+
+    input_ids: torch.Tensor  # [B, P+T], prompt then completion
+    attention_mask: torch.Tensor  # [B, P+T]
+    completion_ids: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T]: the completion mask, times the tool mask when there is one
+    advantages: torch.Tensor  # [B] (or [B, T])
+    old_logp: torch.Tensor | None  # [B, T]
+    ref_logp: torch.Tensor | None  # [B, T], None when beta == 0
+    importance_ratio: torch.Tensor | None  # the vLLM importance-sampling ratio, where TRL applies it
+    sampling_logp: torch.Tensor | None  # the sampler's log-probs, for the off-policy mask
+    num_items: float | None  # the generation batch's token count, for the token-count losses
+
+
+def _batch_inputs(self: GRPOTrainer, inputs: dict[str, Any], mapping: TRLMapping) -> _Batch:
+    """Gather the tensors of `inputs` the forward and the loss read, in the forms `grpo_loss` takes."""
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    advantages = inputs["advantages"]
+    if advantages.dim() == 2 and advantages.size(1) == 1:  # TRL's own unsqueezed form, [B, 1]
+        advantages = advantages.squeeze(1)
+    # TRL applies the vLLM ratio to every loss when the correction is on; vespo folds it into φ whenever present
+    importance_ratio = None
+    if self.loss_type == "vespo" or (self.use_vllm and self.vllm_importance_sampling_correction):
+        importance_ratio = inputs.get("importance_sampling_ratio")
+    num_items = None
+    if self.loss_type in mapping.token_count_losses:
+        num_items = float(inputs["num_items_in_batch"])
+    return _Batch(
+        input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+        attention_mask=torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+        completion_ids=completion_ids,
+        mask=completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"],
+        advantages=advantages,
+        old_logp=inputs.get("old_per_token_logps"),
+        ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+        importance_ratio=importance_ratio,
+        sampling_logp=inputs.get("sampling_per_token_logps") if self.off_policy_mask_threshold is not None else None,
+        num_items=num_items,
+    )
+
+
+def _forward(
+    self: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any], batch: _Batch, mapping: TRLMapping
+) -> tuple[Any, Callable[..., GRPOOutput]]:
+    """The model's forward and the loss to score it with: `score(completion_ids, advantages, ...)` is grpo_loss on
+    the plain logits (TRL's fused head is off unless `fused_lm_head=True` is passed), or, in the fused-linear mode,
+    fused_linear_grpo_loss on the hidden states the lm_head would have scored; both take the same arguments."""
+    length = batch.completion_ids.size(1)  # T
     if self.args.cast_lm_head_to_fp32 and mapping.fp32_head_outside_autocast:
         _keep_lm_head_in_fp32(self.accelerator.unwrap_model(model))
-    model_inputs = _model_inputs(inputs, input_ids, attention_mask)
+    model_inputs = _model_inputs(inputs, batch.input_ids, batch.attention_mask)
     if self.aux_loss_enabled:
         model_inputs["output_router_logits"] = True
-    # `score(completion_ids, advantages, ...)`: grpo_loss on the logits, or fused_linear_grpo_loss on the hidden
-    # states; both take the same arguments and options, mapped once below
-    score: Callable[..., GRPOOutput]
     if getattr(self, "use_fused_linear", False):
-        outputs, score = score_from_hidden(self, model, model_inputs, length, mapping)
-    else:
-        with forward_context(self, mapping):
-            outputs = model(**model_inputs, **logits_to_keep(self, mapping, length), use_cache=False)
-        # logits[:, t] scores the token at t + 1: the last T+1 rows, less the last, score the completion. Indexing
-        # from the end also holds for a model that ignores `logits_to_keep` and returns every position.
-        logits = outputs.logits[:, -(length + 1) : -1]  # [B, T, V], a strided view
-        score = functools.partial(grpo_loss, logits)
+        return score_from_hidden(self, model, model_inputs, length, mapping)
+    with forward_context(self, mapping):
+        outputs = model(**model_inputs, **logits_to_keep(self, mapping, length), use_cache=False)
+    # logits[:, t] scores the token at t + 1: the last T+1 rows, less the last, score the completion. Indexing
+    # from the end also holds for a model that ignores `logits_to_keep` and returns every position.
+    logits = outputs.logits[:, -(length + 1) : -1]  # [B, T, V], a strided view
+    return outputs, functools.partial(grpo_loss, logits)
 
-    # ---- TRL's normalizers outside the per-token math. grpo_loss gives TRL's loss at accumulation 1 (and, for the
-    # token-count losses, steps_per_generation 1); `scale` brings it to TRL's. TRL divides the entropy bonus by the
-    # accumulation factor only, so the coefficient handed to grpo_loss is pre-divided by what `scale` adds to that.
+
+def _normalizers(self: GRPOTrainer, mode: str, mapping: TRLMapping) -> tuple[float, float]:
+    """(accumulation, scale): TRL's normalizers outside the per-token math. grpo_loss gives TRL's loss at accumulation
+    1 (and, for the token-count losses, steps_per_generation 1); `scale` brings it to TRL's."""
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
     if self.loss_type in mapping.token_count_losses:
         # TRL: Σ m L / (N / P · accumulation / steps_per_generation), N spanning the generation batch
         scale = self.args.steps_per_generation / accumulation if mode == "train" else 1.0
     else:
         scale = 1.0 / accumulation
-    apply_coef = 0.0
-    if self._entropy_bonus_enabled:
-        # The coefficient and gate from the end of the previous optimizer step (TRL's adaptive controller)
-        if self.use_adaptive_entropy:
-            apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
-        else:
-            apply_coef = self.entropy_coef
+    return accumulation, scale
 
-    advantages = inputs["advantages"]
-    if advantages.dim() == 2 and advantages.size(1) == 1:  # TRL's own unsqueezed form, [B, 1]
-        advantages = advantages.squeeze(1)
-    # TRL applies the vLLM ratio to every loss when the correction is on; vespo folds it into φ whenever present
-    is_ratio = None
-    if self.loss_type == "vespo" or (self.use_vllm and self.vllm_importance_sampling_correction):
-        is_ratio = inputs.get("importance_sampling_ratio")
-    num_items = None
+
+def _entropy_coef(self: GRPOTrainer) -> float:
+    """The entropy bonus's coefficient this step: the coefficient and gate from the end of the previous optimizer
+    step (TRL's adaptive controller). TRL divides the bonus by the accumulation factor only, so the caller
+    pre-divides it by what `scale` adds to that."""
+    if not self._entropy_bonus_enabled:
+        return 0.0
+    if self.use_adaptive_entropy:
+        return self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+    return self.entropy_coef
+
+
+def _loss_options(self: GRPOTrainer, batch: _Batch) -> dict[str, Any]:
+    """The keyword arguments of the loss but the entropy coefficient: the batch's, and the options of TRL's config,
+    under grpo_loss's names."""
+    return {
+        "importance_sampling_ratio": batch.importance_ratio,
+        "sampling_logp": batch.sampling_logp,
+        "num_items_in_batch": batch.num_items,
+        "loss_type": self.loss_type,
+        "beta": self.beta,
+        "epsilon_low": self.epsilon_low,
+        "epsilon_high": self.epsilon_high,
+        "delta": self.args.delta,
+        "temperature": self.temperature,
+        "importance_sampling_level": self.importance_sampling_level,
+        "use_bias_correction_kl": self.args.use_bias_correction_kl,
+        "max_completion_length": self.max_completion_length,
+        "sapo_temperature_pos": self.args.sapo_temperature_pos,
+        "sapo_temperature_neg": self.args.sapo_temperature_neg,
+        "vespo_k_pos": self.args.vespo_k_pos,
+        "vespo_lambda_pos": self.args.vespo_lambda_pos,
+        "vespo_k_neg": self.args.vespo_k_neg,
+        "vespo_lambda_neg": self.args.vespo_lambda_neg,
+        "off_policy_mask_threshold": self.off_policy_mask_threshold,
+        "top_entropy_quantile": self.top_entropy_quantile,
+    }
+
+
+def _log_entropy_bonus(
+    self: GRPOTrainer, out: GRPOOutput, mask: torch.Tensor, scale: float, mode: str, mapping: TRLMapping
+) -> None:
+    """The entropy bonus's bookkeeping, as TRL: the policy loss, the adaptive coefficient's update, its value."""
+    policy_loss = out.metrics.get("policy_loss", out.loss.detach())  # absent when the applied coefficient is 0
     if self.loss_type in mapping.token_count_losses:
-        num_items = float(inputs["num_items_in_batch"])
-    old_logp = inputs.get("old_per_token_logps")
+        policy_loss = policy_loss * scale  # TRL logs these after their full normalizer, the others before
+    self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+    if self.use_adaptive_entropy and mode == "train":
+        _adapt_entropy_coef(self, out, mask)
+    if mode == "train" and self.accelerator.sync_gradients:
+        self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
-    out = score(
-        completion_ids,
-        advantages,
-        mask,
-        old_logp,
-        inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-        importance_sampling_ratio=is_ratio,
-        sampling_logp=inputs.get("sampling_per_token_logps") if self.off_policy_mask_threshold is not None else None,
-        loss_type=self.loss_type,
-        beta=self.beta,
-        epsilon_low=self.epsilon_low,
-        epsilon_high=self.epsilon_high,
-        delta=self.args.delta,
-        temperature=self.temperature,
-        importance_sampling_level=self.importance_sampling_level,
-        use_bias_correction_kl=self.args.use_bias_correction_kl,
-        max_completion_length=self.max_completion_length,
-        num_items_in_batch=num_items,
-        sapo_temperature_pos=self.args.sapo_temperature_pos,
-        sapo_temperature_neg=self.args.sapo_temperature_neg,
-        vespo_k_pos=self.args.vespo_k_pos,
-        vespo_lambda_pos=self.args.vespo_lambda_pos,
-        vespo_k_neg=self.args.vespo_k_neg,
-        vespo_lambda_neg=self.args.vespo_lambda_neg,
-        off_policy_mask_threshold=self.off_policy_mask_threshold,
-        top_entropy_quantile=self.top_entropy_quantile,
-        entropy_coef=apply_coef / (accumulation * scale),
-    )
-    loss = out.loss * scale if scale != 1.0 else out.loss
 
-    # ---- entropy bonus bookkeeping, as TRL
-    if self._entropy_bonus_enabled:
-        policy_loss = out.metrics.get("policy_loss", out.loss.detach())  # absent when the applied coefficient is 0
-        if self.loss_type in mapping.token_count_losses:
-            policy_loss = policy_loss * scale  # TRL logs these after their full normalizer, the others before
-        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+def _adapt_entropy_coef(self: GRPOTrainer, out: GRPOOutput, mask: torch.Tensor) -> None:
+    """TRL's adaptive entropy controller: the window's entropy over every rank moves the coefficient at the end of
+    each optimizer step."""
+    effective_mask = mask
+    if self.top_entropy_quantile < 1.0:
+        # The same mask grpo_loss applied: TRL's quantile over the same gathered entropies
+        effective_mask = mask * self.get_high_entropy_mask(out.entropy, mask, 1 - self.top_entropy_quantile)
+    stats = torch.stack([(out.entropy * effective_mask).sum(), effective_mask.sum()]).detach()
+    if self._entropy_window_stats is None:
+        self._entropy_window_stats = stats
+    else:
+        self._entropy_window_stats = self._entropy_window_stats + stats
+    if not self.accelerator.sync_gradients:
+        return
+    window_stats = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+    world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
+    if world_entropy <= self.args.entropy_target:
+        self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+    else:
+        self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+    self._last_world_entropy = world_entropy
+    self._entropy_window_stats = None
 
-        if self.use_adaptive_entropy and mode == "train":
-            effective_mask = mask
-            if self.top_entropy_quantile < 1.0:
-                # The same mask grpo_loss applied: TRL's quantile over the same gathered entropies
-                effective_mask = mask * self.get_high_entropy_mask(out.entropy, mask, 1 - self.top_entropy_quantile)
-            stats = torch.stack([(out.entropy * effective_mask).sum(), effective_mask.sum()]).detach()
-            if self._entropy_window_stats is None:
-                self._entropy_window_stats = stats
-            else:
-                self._entropy_window_stats = self._entropy_window_stats + stats
-            if self.accelerator.sync_gradients:
-                window_stats = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
-                world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
-                if world_entropy <= self.args.entropy_target:
-                    self.entropy_coef = min(
-                        self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max
-                    )
-                else:
-                    self.entropy_coef = max(
-                        self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min
-                    )
-                self._last_world_entropy = world_entropy
-                self._entropy_window_stats = None
 
-        if mode == "train" and self.accelerator.sync_gradients:
-            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-
-    # ---- MoE load-balancing loss, scaled for gradient accumulation like the policy loss
-    if self.aux_loss_enabled:
-        aux_loss = outputs.aux_loss
-        loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-
-    # ---- metrics under TRL's names. grpo_loss already reduced the means over ranks; the per-sequence extremes
-    # are rebuilt from ℓ (O(B·T), no pass over the logits).
+def _log_metrics(self: GRPOTrainer, out: GRPOOutput, batch: _Batch, mode: str, mapping: TRLMapping) -> None:
+    """The loss's metrics under TRL's names. grpo_loss already reduced the means over ranks; the per-sequence
+    extremes are rebuilt from ℓ (O(B·T), no pass over the logits)."""
     metrics = self._metrics[mode]
     if "kl" in out.metrics:
         metrics["kl"].append(out.metrics["kl"].item())
@@ -268,10 +313,9 @@ def _fused_loss(self: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any
     for name in mapping.metric_names(self.loss_type):
         metrics[name].append(out.metrics[name].item())
     if self.loss_type in mapping.clipped_losses:
-        low, high = _sequence_clip_fractions(self, out.logp, old_logp, advantages, mask)
+        low, high = _sequence_clip_fractions(self, out.logp, batch.old_logp, batch.advantages, batch.mask)
         metrics["clip_ratio/low_min"].append(_nanmin(self.accelerator.gather(low)).item())
         metrics["clip_ratio/high_max"].append(_nanmax(self.accelerator.gather(high)).item())
-    return loss
 
 
 def _sequence_clip_fractions(

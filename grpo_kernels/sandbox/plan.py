@@ -138,75 +138,6 @@ def write(path: str, text: str) -> None:
 def describe(p: Plan, view: object) -> dict[str, object]:
     """What `isolation()` reports for plan `p` and the sample's `view` of the filesystem (`view.View`): its layers,
     and what each limit guarantees under them."""
-    own_ns = p.pid_ns and p.mount_ns
-    if p.cgroup:
-        memory = "cgroup v2 memory.max on the whole sample (no swap), shared memory included"
-    elif own_ns:
-        memory = (
-            "watched: every 20 ms, the sample's total private resident memory plus the whole size of every shared "
-            "mapping of each of its processes; plus each process's address space"
-        )
-    else:
-        memory = "per process only (address space): a sample may hold max_processes × memory_mb"
-    if p.cgroup:
-        processes = "cgroup v2 pids.max on the whole sample"
-    elif p.drop_uid:
-        processes = "RLIMIT_NPROC of the sample's own uid: the whole sample, no one else's processes count"
-    elif p.user_ns and nproc_per_user_namespace():
-        processes = "RLIMIT_NPROC in the sample's own user namespace: the whole sample, no one else's processes count"
-    else:
-        processes = (
-            "counted by the sample's init every 20 ms (its descendants, threads included), killed over the limit; "
-            "RLIMIT_NPROC is only a backstop shared with the user's other processes (64 full samples over their count)"
-        )
-    if own_ns:
-        cleanup = "PID namespace: its init exits when the program does, and the kernel kills every process left"
-    elif p.drop_uid:
-        cleanup = "kill(-1) as the sample's uid, repeated until none of its processes is alive"
-    else:
-        cleanup = "its process group only: a process that leaves it (setsid) survives the run"
-    unix = (
-        "; ".join(
-            layer
-            for layer, on in (
-                (
-                    "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included",
-                    p.seccomp,
-                ),
-                ("the mount namespace hides /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
-                ("Landlock scope: abstract sockets outside the sample are refused", p.landlock_abi >= 6),
-            )
-            if on
-        )
-        or "reachable"
-    )
-    hiding = [
-        layer
-        for layer, on in (
-            ("Landlock reads only the system folders and the interpreter's standard library", p.landlock_abi),
-            ("the mount namespace covers each with an empty read-only tmpfs", p.mount_ns),
-        )
-        if on
-    ]
-    shared = [
-        layer
-        for layer, on in (
-            (
-                "seccomp refuses memfd_create, memfd_secret, shmget, msgget and shared anonymous mmap over 1 MiB",
-                p.seccomp,
-            ),
-            ("the IPC namespace allows 1 MiB of SysV shared memory and no message queues", p.net_ns),
-            ("the watch counts every shared mapping whole", own_ns and not p.cgroup),
-            ("the cgroup charges shared pages to the sample", bool(p.cgroup)),
-        )
-        if on
-    ]
-    if own_ns:
-        cases = "each case: a fresh tmpfs folder; at its end kill(-1) from the init kills every process it started"
-    else:
-        cases = "each case: the folder emptied; at its end every descendant of the init (their subreaper) is killed" + (
-            "" if p.drop_uid or p.user_ns else ", a daemon included (the whole sample's cleanup is weaker)"
-        )
     return {
         "python": p.python,
         "callers_python": p.python == sys.executable,
@@ -218,9 +149,9 @@ def describe(p: Plan, view: object) -> dict[str, object]:
         "landlock_abi": p.landlock_abi,
         "seccomp": p.seccomp,
         "cgroup": p.cgroup,
-        "memory": memory,
-        "shared_memory": "; ".join(shared) or "invisible to every limit",
-        "processes": processes,
+        "memory": _memory(p),
+        "shared_memory": _shared_memory(p),
+        "processes": _processes(p),
         "quotas": "seccomp refuses io_setup, semget, mq_open, inotify and fanotify instances (machine- or user-wide "
         "quotas)"
         if p.seccomp
@@ -228,17 +159,103 @@ def describe(p: Plan, view: object) -> dict[str, object]:
         "disk": "a private tmpfs of disk_mb, seen by the sample alone"
         if p.mount_ns
         else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file",
-        "cleanup": cleanup,
-        "cases": cases,
-        "unix_sockets": unix,
-        "packages": (
-            "hidden: site-packages, dist-packages and /usr/local (" + "; ".join(hiding) + "); only those named in "
-            "packages=[...] are shown, read only"
-            if hiding
-            else "readable: any installed package the file permissions allow"
-        ),
+        "cleanup": _cleanup(p),
+        "cases": _cases(p),
+        "unix_sockets": _unix_sockets(p),
+        "packages": _packages(p),
         "hidden_folders": view.hide,
     }
+
+
+def _own_namespaces(p: Plan) -> bool:
+    """The sample has a PID and a mount namespace of its own: its init sees, counts and ends all of it."""
+    return p.pid_ns and p.mount_ns
+
+
+def _memory(p: Plan) -> str:
+    if p.cgroup:
+        return "cgroup v2 memory.max on the whole sample (no swap), shared memory included"
+    if _own_namespaces(p):
+        return (
+            "watched: every 20 ms, the sample's total private resident memory plus the whole size of every shared "
+            "mapping of each of its processes; plus each process's address space"
+        )
+    return "per process only (address space): a sample may hold max_processes × memory_mb"
+
+
+def _shared_memory(p: Plan) -> str:
+    shared = [
+        layer
+        for layer, on in (
+            (
+                "seccomp refuses memfd_create, memfd_secret, shmget, msgget and shared anonymous mmap over 1 MiB",
+                p.seccomp,
+            ),
+            ("the IPC namespace allows 1 MiB of SysV shared memory and no message queues", p.net_ns),
+            ("the watch counts every shared mapping whole", _own_namespaces(p) and not p.cgroup),
+            ("the cgroup charges shared pages to the sample", bool(p.cgroup)),
+        )
+        if on
+    ]
+    return "; ".join(shared) or "invisible to every limit"
+
+
+def _processes(p: Plan) -> str:
+    if p.cgroup:
+        return "cgroup v2 pids.max on the whole sample"
+    if p.drop_uid:
+        return "RLIMIT_NPROC of the sample's own uid: the whole sample, no one else's processes count"
+    if p.user_ns and nproc_per_user_namespace():
+        return "RLIMIT_NPROC in the sample's own user namespace: the whole sample, no one else's processes count"
+    return (
+        "counted by the sample's init every 20 ms (its descendants, threads included), killed over the limit; "
+        "RLIMIT_NPROC is only a backstop shared with the user's other processes (64 full samples over their count)"
+    )
+
+
+def _cleanup(p: Plan) -> str:
+    if _own_namespaces(p):
+        return "PID namespace: its init exits when the program does, and the kernel kills every process left"
+    if p.drop_uid:
+        return "kill(-1) as the sample's uid, repeated until none of its processes is alive"
+    return "its process group only: a process that leaves it (setsid) survives the run"
+
+
+def _cases(p: Plan) -> str:
+    if _own_namespaces(p):
+        return "each case: a fresh tmpfs folder; at its end kill(-1) from the init kills every process it started"
+    return "each case: the folder emptied; at its end every descendant of the init (their subreaper) is killed" + (
+        "" if p.drop_uid or p.user_ns else ", a daemon included (the whole sample's cleanup is weaker)"
+    )
+
+
+def _unix_sockets(p: Plan) -> str:
+    layers = (
+        (
+            "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included",
+            p.seccomp,
+        ),
+        ("the mount namespace hides /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
+        ("Landlock scope: abstract sockets outside the sample are refused", p.landlock_abi >= 6),
+    )
+    return "; ".join(layer for layer, on in layers if on) or "reachable"
+
+
+def _packages(p: Plan) -> str:
+    hiding = [
+        layer
+        for layer, on in (
+            ("Landlock reads only the system folders and the interpreter's standard library", p.landlock_abi),
+            ("the mount namespace covers each with an empty read-only tmpfs", p.mount_ns),
+        )
+        if on
+    ]
+    if not hiding:
+        return "readable: any installed package the file permissions allow"
+    return (
+        "hidden: site-packages, dist-packages and /usr/local (" + "; ".join(hiding) + "); only those named in "
+        "packages=[...] are shown, read only"
+    )
 
 
 def remove_cgroup(path: str) -> None:

@@ -3,7 +3,7 @@
 A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
 seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
 (with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
-Some 480 lines: the three entry points share one run-and-watch loop, which reads best beside them.
+Some 580 lines: the three entry points share one run and its watch, which read best beside them.
 """
 
 from __future__ import annotations
@@ -231,7 +231,101 @@ def _run(
 ) -> SandboxResult:
     seen = _view(plan.python, plan.drop_uid, _package_names(packages, plan))
     uid = 1_000_000_000 + secrets.randbelow(1_000_000_000) if plan.drop_uid else None  # owns no file, no process
-    rlimits = {
+    pipes: list[int] = []  # every end still open, closed at the latest when the run ends
+    workdir = tempfile.mkdtemp(prefix=f"grpo-sandbox-{os.getpid()}-")
+    cgroup, nonce = None, None
+    procs: list[subprocess.Popen] = []
+    try:
+        cgroup = sample_cgroup(plan, limits.memory_mb * 2**20, limits.max_processes)
+        with _memory_file() as out, _memory_file() as err, _memory_file() as given:
+            given.write(stdin.encode() if isinstance(stdin, str) else stdin)
+            given.seek(0)
+            ends = _Ends.open(pipes, tests=tests is not None, cases=cases is not None)
+            job = _job(plan, program, limits, uid, workdir, seen, cgroup, ends, cases)
+            start = time.monotonic()
+            sandbox = _start_launcher(plan, workdir, given, out, err, ends)
+            procs.append(sandbox)
+            if cgroup:
+                write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
+            judge_out = None
+            if tests is not None:
+                judge_out = _memory_file()
+                nonce = secrets.token_hex(16)
+                procs.append(_start_judge(judge_out, ends))
+            for fd in ends.given_away():
+                _close(fd, pipes)
+            _feed(ends.job_w, json.dumps(job).encode(), pipes)
+            if tests is not None:
+                _feed_judge(
+                    procs[-1], {"tests": tests, "setup": setup, "nonce": nonce, "fds": ends.judge_fds, "path": _SITE}
+                )
+            watch_disk = None if plan.mount_ns else limits.disk_mb * 2**20
+            verdict, timed_out, over_disk = _watch(sandbox, ends, cases, start + limits.timeout, workdir, watch_disk)
+            kill_run(procs, cgroup, uid, plan)
+            code = sandbox.returncode
+            over = os.read(ends.status_r, 64)  # every writer is dead: this cannot block
+            stdout, stderr = _outputs(out, err, judge_out, limits.max_output_bytes)
+    finally:
+        _release(procs, pipes, cgroup, workdir)
+    outcome = _Outcome(code, over, stdout, stderr, verdict, timed_out, over_disk)
+    return _result(outcome, tests is not None, nonce, cgroup, uid)
+
+
+@dataclass
+class _Ends:
+    """The pipes of one run, by use: (read end, write end) each; only the mode's own exist."""
+
+    job: tuple[int, int]  # the launcher's job, JSON
+    status: tuple[int, int]  # the launcher's word on a limit it stopped the sample for
+    reports: tuple[int, int] | None = None  # cases: one report per case, from the sample's runner
+    calls: tuple[int, int] | None = None  # tests: the judge's calls into the solution
+    replies: tuple[int, int] | None = None  # tests: the solution's replies
+    verdict: tuple[int, int] | None = None  # tests: the judge's verdict
+
+    @classmethod
+    def open(cls, pipes: list[int], *, tests: bool, cases: bool) -> _Ends:
+        """The pipes a run needs, each end listed in `pipes`."""
+
+        def pipe() -> tuple[int, int]:
+            r, w = os.pipe()
+            pipes.extend((r, w))
+            return r, w
+
+        ends = cls(pipe(), pipe())
+        if cases:
+            ends.reports = pipe()
+        if tests:
+            ends.calls, ends.replies, ends.verdict = pipe(), pipe(), pipe()
+        return ends
+
+    @property
+    def job_w(self) -> int:
+        return self.job[1]
+
+    @property
+    def status_r(self) -> int:
+        return self.status[0]
+
+    @property
+    def launcher_fds(self) -> list[int]:
+        """The ends the launcher passes on to the sample (the job's "fds")."""
+        if self.calls is not None and self.replies is not None:
+            return [self.calls[0], self.replies[1]]
+        return [self.reports[1]] if self.reports is not None else []
+
+    @property
+    def judge_fds(self) -> list[int]:
+        if self.calls is None or self.replies is None or self.verdict is None:
+            return []
+        return [self.calls[1], self.replies[0], self.verdict[1]]
+
+    def given_away(self) -> list[int]:
+        """The ends the children hold once started, which this process closes."""
+        return [self.job[0], self.status[1], *self.launcher_fds, *self.judge_fds]
+
+
+def _rlimits(plan: Plan, uid: int | None, limits: SandboxLimits) -> dict[str, int]:
+    return {
         "RLIMIT_CORE": 0,
         "RLIMIT_CPU": limits.cpu_seconds,
         "RLIMIT_AS": limits.memory_mb * 2**20,
@@ -240,122 +334,125 @@ def _run(
         "RLIMIT_NPROC": _process_limit(plan, uid, limits.max_processes),
         "RLIMIT_MSGQUEUE": 0,
     }
-    pipes: list[int] = []
 
-    def pipe() -> tuple[int, int]:
-        r, w = os.pipe()
-        pipes.extend((r, w))
-        return r, w
 
-    workdir = tempfile.mkdtemp(prefix=f"grpo-sandbox-{os.getpid()}-")
-    cgroup = None
-    procs: list[subprocess.Popen] = []
-    try:
-        cgroup = sample_cgroup(plan, limits.memory_mb * 2**20, limits.max_processes)
-        with _memory_file() as out, _memory_file() as err, _memory_file() as given:
-            given.write(stdin.encode() if isinstance(stdin, str) else stdin)
-            given.seek(0)
-            job_r, job_w = pipe()
-            status_r, status_w = pipe()
-            fds = []
-            if cases is not None:
-                reports_r, reports_w = pipe()
-                fds = [reports_w]
-            if tests is not None:
-                calls_r, calls_w = pipe()
-                replies_r, replies_w = pipe()
-                verdict_r, verdict_w = pipe()
-                fds = [calls_r, replies_w]
-            job = {
-                "mode": "functions" if tests is not None else "cases" if cases is not None else "program",
-                "program": program,
-                "uid": uid,
-                "workdir": workdir,
-                "rlimits": rlimits,
-                "namespaces": {"user": plan.user_ns, "pid": plan.pid_ns, "mount": plan.mount_ns, "net": plan.net_ns},
-                "disk_bytes": limits.disk_mb * 2**20,
-                "memory_bytes": None if cgroup else limits.memory_mb * 2**20,
-                "landlock_abi": plan.landlock_abi,
-                "seccomp": plan.seccomp,
-                "view": {"hide": seen.hide, "show": seen.show},
-                "readable": seen.roots if plan.mount_ns else seen.read,
-                "path": seen.path,
-                "max_processes": limits.max_processes,
-                "count_processes": not counts_its_own(plan),  # else the init counts them
-                "fds": fds,
-                "status_fd": status_w,
-            }
-            if cases is not None:
-                job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
-            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, **_ONE_THREAD}
-            start = time.monotonic()
-            sandbox = subprocess.Popen(
-                [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(job_r)],
-                stdin=given, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True,
-                pass_fds=[job_r, status_w, *fds],
-            )  # fmt: skip
-            procs.append(sandbox)
-            if cgroup:
-                write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
-            judge_out = None
-            if tests is not None:
-                judge_out = _memory_file()
-                nonce = secrets.token_hex(16)
-                judge = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-B", "-c", _STUB.format("judge"), _HERE],
-                    stdin=subprocess.PIPE, stdout=judge_out, stderr=judge_out, cwd="/", start_new_session=True,
-                    env={"PATH": env["PATH"], "LANG": "C.UTF-8"}, pass_fds=[calls_w, replies_r, verdict_w],
-                )  # fmt: skip
-                procs.append(judge)
-            for fd in (job_r, status_w, *fds, *((calls_w, replies_r, verdict_w) if tests is not None else ())):
-                _close(fd, pipes)
-            _feed(job_w, json.dumps(job).encode(), pipes)
-            if tests is not None:
-                fds_judge = [calls_w, replies_r, verdict_w]
-                _feed_judge(judge, {"tests": tests, "setup": setup, "nonce": nonce, "fds": fds_judge, "path": _SITE})
-            deadline = start + limits.timeout
-            watch_disk = None if plan.mount_ns else limits.disk_mb * 2**20
-            if cases is not None:
-                over_disk = _collect(cases, reports_r, deadline, workdir, watch_disk)
-                verdict, timed_out = None, False
-            else:
-                verdict, over_disk = _wait(
-                    sandbox, verdict_r if tests is not None else None, deadline, workdir, watch_disk
-                )
-                timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
-            kill_run(procs, cgroup, uid, plan)
-            code = sandbox.returncode
-            over = os.read(status_r, 64)  # every writer is dead: this cannot block
-            stdout, stderr = _tail(out, limits.max_output_bytes), _tail(err, limits.max_output_bytes)
-            if judge_out is not None:
-                judge_text = _tail(judge_out, limits.max_output_bytes)
-                judge_out.close()
-                stderr += judge_text
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        while pipes:  # the ends still open when a run stopped early
-            _close(pipes[-1], pipes)
-        if cgroup:
-            remove_cgroup(cgroup)
-        shutil.rmtree(workdir, ignore_errors=True)
+def _job(
+    plan: Plan,
+    program: str,
+    limits: SandboxLimits,
+    uid: int | None,
+    workdir: str,
+    seen: view.View,
+    cgroup: str | None,
+    ends: _Ends,
+    cases: Cases | None,
+) -> dict[str, object]:
+    """What the launcher is to do, as it reads it from its job pipe."""
+    job: dict[str, object] = {
+        "mode": "functions" if ends.calls is not None else "cases" if cases is not None else "program",
+        "program": program,
+        "uid": uid,
+        "workdir": workdir,
+        "rlimits": _rlimits(plan, uid, limits),
+        "namespaces": {"user": plan.user_ns, "pid": plan.pid_ns, "mount": plan.mount_ns, "net": plan.net_ns},
+        "disk_bytes": limits.disk_mb * 2**20,
+        "memory_bytes": None if cgroup else limits.memory_mb * 2**20,
+        "landlock_abi": plan.landlock_abi,
+        "seccomp": plan.seccomp,
+        "view": {"hide": seen.hide, "show": seen.show},
+        "readable": seen.roots if plan.mount_ns else seen.read,
+        "path": seen.path,
+        "max_processes": limits.max_processes,
+        "count_processes": not counts_its_own(plan),  # else the init counts them
+        "fds": ends.launcher_fds,
+        "status_fd": ends.status[1],
+    }
+    if cases is not None:
+        job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
+    return job
+
+
+_PATH = "/usr/bin:/bin"  # the children's PATH
+
+
+def _start_launcher(
+    plan: Plan, workdir: str, given: BinaryIO, out: BinaryIO, err: BinaryIO, ends: _Ends
+) -> subprocess.Popen:
+    """The sandboxed launcher, in a session of its own, with a clean environment; it waits for its job."""
+    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, **_ONE_THREAD}
+    return subprocess.Popen(
+        [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(ends.job[0])],
+        stdin=given, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True,
+        pass_fds=[ends.job[0], ends.status[1], *ends.launcher_fds],
+    )  # fmt: skip
+
+
+def _start_judge(out: BinaryIO, ends: _Ends) -> subprocess.Popen:
+    """The trusted judge, outside the sandbox, in a session of its own; it waits for its job on stdin."""
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-B", "-c", _STUB.format("judge"), _HERE],
+        stdin=subprocess.PIPE, stdout=out, stderr=out, cwd="/", start_new_session=True,
+        env={"PATH": _PATH, "LANG": "C.UTF-8"}, pass_fds=ends.judge_fds,
+    )  # fmt: skip
+
+
+def _watch(
+    sandbox: subprocess.Popen, ends: _Ends, cases: Cases | None, deadline: float, workdir: str, watch_disk: int | None
+) -> tuple[dict | None, bool, bool]:
+    """Watch the run until it ends or `deadline`: (the judge's verdict, timed out, over the disk quota)."""
+    if cases is not None:
+        return None, False, _collect(cases, ends.reports[0], deadline, workdir, watch_disk)
+    verdict_fd = ends.verdict[0] if ends.verdict is not None else None
+    verdict, over_disk = _wait(sandbox, verdict_fd, deadline, workdir, watch_disk)
+    timed_out = verdict is None and time.monotonic() >= deadline and not over_disk
+    return verdict, timed_out, over_disk
+
+
+def _release(procs: list[subprocess.Popen], pipes: list[int], cgroup: str | None, workdir: str) -> None:
+    """What a run holds, however it ended: its processes, the pipe ends still open, its cgroup and its folder."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    while pipes:  # the ends still open when a run stopped early
+        _close(pipes[-1], pipes)
+    if cgroup:
+        remove_cgroup(cgroup)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclass
+class _Outcome:
+    """What a run left: the launcher's exit status and word on a limit, the output, the watch's findings."""
+
+    code: int | None
+    over: bytes  # b"memory\n" or b"processes\n" when the launcher stopped the sample for that limit
+    stdout: str
+    stderr: str
+    verdict: dict | None  # the judge's (tests)
+    timed_out: bool
+    over_disk: bool
+
+
+def _result(outcome: _Outcome, tests: bool, nonce: str | None, cgroup: str | None, uid: int | None) -> SandboxResult:
+    """The run's result: which limit stopped it, and whether it passed (tests: the judge's verdict, with our nonce)."""
+    code, verdict, over_disk = outcome.code, outcome.verdict, outcome.over_disk
+    timed_out, stderr = outcome.timed_out, outcome.stderr
     limit = "time" if timed_out else "disk" if over_disk else None
-    if over == b"memory\n" or (cgroup and oom_killed(cgroup)):
+    if outcome.over == b"memory\n" or (cgroup and oom_killed(cgroup)):
         limit = "memory"
-    elif over == b"processes\n":
+    elif outcome.over == b"processes\n":
         limit = "processes"
     if code == SETUP_FAILED and "sandbox setup failed" in stderr:
         timed_out = False
-    if tests is None:
+    if not tests:
         passed = not timed_out and not over_disk and code == 0
     else:
         ok = isinstance(verdict, dict) and verdict.get("nonce") == nonce and verdict.get("passed") is True
         passed = ok and not timed_out and not over_disk
         if isinstance(verdict, dict) and verdict.get("error"):
             stderr += str(verdict["error"])
-    return SandboxResult(code, stdout, stderr, timed_out, passed, uid, limit)
+    return SandboxResult(code, outcome.stdout, stderr, timed_out, passed, uid, limit)
 
 
 @dataclass
@@ -465,6 +562,16 @@ def _memory_file() -> BinaryIO:
     """A file in memory, not on any disk: what the sample writes to stdout and stderr cannot fill a folder of ours
     (RLIMIT_FSIZE bounds it, as any file the sample writes)."""
     return open(os.memfd_create("grpo-sandbox", os.MFD_CLOEXEC), "w+b")
+
+
+def _outputs(out: BinaryIO, err: BinaryIO, judge_out: BinaryIO | None, limit: int) -> tuple[str, str]:
+    """The tails of the sample's stdout and stderr, the judge's output (which it closes) after the stderr."""
+    stdout, stderr = _tail(out, limit), _tail(err, limit)
+    if judge_out is not None:
+        judge_text = _tail(judge_out, limit)
+        judge_out.close()
+        stderr += judge_text
+    return stdout, stderr
 
 
 def _tail(f: BinaryIO, limit: int) -> str:

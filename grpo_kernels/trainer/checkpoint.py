@@ -102,13 +102,6 @@ def remove_checkpoint(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def remove_partial_checkpoints(output_dir: str | os.PathLike) -> None:
-    """Delete what a killed run was writing or deleting (call before training into `output_dir`)."""
-    for prefix in TMP_PREFIXES:
-        for tmp in Path(output_dir).glob(f"{prefix}*"):
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-
-
 def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE_MARKER).is_file()
 

@@ -12,32 +12,32 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .dist import Dist
+from .dist import World
 from .rollout import Rollout
 
 
-def chosen(num_prompts: int, group: int, n: int) -> list[int]:
-    """Indices into a batch of `num_prompts` groups of `group` completions (prompt-major): one per prompt first."""
-    order = [p * group + j for j in range(group) for p in range(num_prompts)]
+def chosen(num_prompts: int, group_size: int, n: int) -> list[int]:
+    """Indices into a batch of `num_prompts` groups of `group_size` completions (prompt-major): one per prompt first."""
+    order = [p * group_size + j for j in range(group_size) for p in range(num_prompts)]
     return order[:n]
 
 
-def completion_records(step: int, roll: Rollout, n: int, group: int, ctx: Dist) -> list[dict[str, Any]]:
+def completion_records(step: int, roll: Rollout, n: int, group_size: int, world: World) -> list[dict[str, Any]]:
     """The records of step `step` (the same on every rank; every rank must call this, it gathers the texts)."""
     total = roll.rewards.numel()
     local = len(roll.texts)
-    first = ctx.rank * local
+    first = world.rank * local
     mine = {
-        i: (roll.prompts[(i - first) // group], roll.texts[i - first])
-        for i in chosen(total // group, group, n)
+        i: (roll.prompts[(i - first) // group_size], roll.texts[i - first])
+        for i in chosen(total // group_size, group_size, n)
         if first <= i < first + local
     }
-    if ctx.active:
-        parts: list[Any] = [None] * ctx.world
+    if world.multi_process:
+        parts: list[Any] = [None] * world.size
         dist.all_gather_object(parts, mine)
         mine = {k: v for part in parts for k, v in part.items()}
     records = []
-    for i in chosen(total // group, group, n):
+    for i in chosen(total // group_size, group_size, n):
         prompt, text = mine[i]
         rewards = {name: _value(v[i].item()) for name, v in roll.reward_values.items()}  # float32, as trained on
         records.append(

@@ -76,6 +76,8 @@ def loss_options() -> list[str]:
     """The options of `LossConfig` the user sets (each one a CLI flag)."""
     skip = LOOP_SET_LOSS_OPTIONS + SHARED_LOSS_OPTIONS
     return [name for name in LossConfig.option_names() if name not in skip]
+
+
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -225,7 +227,8 @@ class TrainConfig:
         """The keyword options of `grpo_loss` this config sets (all but those the loop fills in per batch)."""
         return {k: v for k, v in asdict(self.loss).items() if k not in LOOP_SET_LOSS_OPTIONS}
 
-    def weights(self, num_funcs: int) -> list[float]:
+    def parsed_reward_weights(self, num_funcs: int) -> list[float]:
+        """`reward_weights` as numbers, one per reward function (all 1 when it is empty)."""
         if not self.reward_weights.strip():
             return [1.0] * num_funcs
         weights = [float(w) for w in self.reward_weights.split(",")]

@@ -9,7 +9,6 @@ or absent (the clip ratio at mu = 1, the KL at beta = 0) are left out.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -29,11 +28,6 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
 
 
 BANDS = "lines: {window}-step rolling means\nbands: ± 1 std of the step means in the window"
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def rolling(ys: Sequence[float], window: int) -> tuple[list[float], list[float]]:

@@ -15,7 +15,7 @@ from .. import group_advantages
 from ..rewards import RewardFunc, combine_rewards, reward_name
 from .config import TrainConfig
 from .data import render_prompt, resolve_system_prompt, reward_columns
-from .dist import Dist, all_reduce_, gather_cat, together
+from .dist import World, all_reduce_, gather_cat, together
 from .model import per_token_logp
 from .rowcheck import Columns
 from .sampling import decode_completions, generate
@@ -48,16 +48,16 @@ def rollout(
     rows: list[dict[str, Any]],
     cfg: TrainConfig,
     reward_funcs: list[RewardFunc],
-    weights: list[float],
+    reward_weights: list[float],
     *,
     seeds: list[int] | None = None,
-    ctx: Dist | None = None,
+    world: World | None = None,
     columns: Columns | None = None,
 ) -> Rollout:
     """Sample, score and prepare one rollout batch. Under torchrun `rows` is this rank's shard of the step's prompts
     (whole groups, equal shards in rank order): the rewards are gathered so that the advantages (any `scale_rewards`)
     and the logged metrics are those of the whole batch; the returned tensors are this rank's part."""
-    ctx, columns = ctx or Dist(), columns or Columns()
+    world, columns = world or World(), columns or Columns()
     system = resolve_system_prompt(cfg.system_prompt)
     questions = [row[columns.prompt] for row in rows]
     prompts = [render_prompt(tokenizer, q, system, use_chat_template=cfg.chat_template) for q in questions]
@@ -70,14 +70,14 @@ def rollout(
     completions = decode_completions(tokenizer, samples)
 
     kwargs = reward_columns(rows, columns, g)
-    with together(ctx):  # a reward that fails on one rank stops every rank, with its message
+    with together(world):  # a reward that fails on one rank stops every rank, with its message
         total, per_func = combine_rewards(
-            reward_funcs, completions, weights, prompts=[p for p in prompts for _ in range(g)], **kwargs
+            reward_funcs, completions, reward_weights, prompts=[p for p in prompts for _ in range(g)], **kwargs
         )
     local_n = len(total)
-    rewards = gather_cat(torch.tensor(total, dtype=torch.float32), ctx)  # [N] of the whole batch
+    rewards = gather_cat(torch.tensor(total, dtype=torch.float32), world)  # [N] of the whole batch
     all_advantages = group_advantages(rewards, g, scale=cfg.scale_rewards)
-    advantages = all_advantages[ctx.rank * local_n : (ctx.rank + 1) * local_n].to(completion_ids.device)
+    advantages = all_advantages[world.rank * local_n : (world.rank + 1) * local_n].to(completion_ids.device)
 
     loss_mask = completion_mask.clone()
     if cfg.mask_truncated_completions:
@@ -92,9 +92,9 @@ def rollout(
             ref_logp = per_token_logp(model, input_ids, attention_mask, completion_ids, cfg)
 
     grouped = rewards.view(-1, g)
-    num_tokens = gather_cat(num_tokens.float().cpu(), ctx)
-    truncated = gather_cat(truncated.cpu(), ctx)
-    gen_time = all_reduce_(torch.tensor(gen_time, dtype=torch.float64), ctx, dist.ReduceOp.MAX).item()
+    num_tokens = gather_cat(num_tokens.float().cpu(), world)
+    truncated = gather_cat(truncated.cpu(), world)
+    gen_time = all_reduce_(torch.tensor(gen_time, dtype=torch.float64), world, dist.ReduceOp.MAX).item()
     metrics = {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
@@ -108,7 +108,7 @@ def rollout(
     }
     reward_values = {}
     for func, values in zip(reward_funcs, per_func):
-        v = gather_cat(torch.tensor(values, dtype=torch.float32), ctx)
+        v = gather_cat(torch.tensor(values, dtype=torch.float32), world)
         applicable = v[~v.isnan()]
         name = reward_name(func)
         reward_values[name] = v
@@ -119,4 +119,4 @@ def rollout(
     return Rollout(
         input_ids, attention_mask, completion_ids, loss_mask, advantages, old_logp, ref_logp, metrics,
         questions, completions, rewards, reward_values, all_advantages,
-    )
+    )  # fmt: skip

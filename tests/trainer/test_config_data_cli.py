@@ -15,13 +15,13 @@ from grpo_kernels.trainer.checkpoint import (
     COMPLETE_MARKER,
     latest_checkpoint,
     list_checkpoints,
-    remove_partial_checkpoints,
 )
 from grpo_kernels.trainer.config import LOOP_SET_LOSS_OPTIONS, TrainConfig
 from grpo_kernels.trainer.data import R1_SYSTEM_PROMPT, prompt_indices, read_rows, render_prompt, reward_columns
 from grpo_kernels.trainer.demo import build_char_tokenizer
 from grpo_kernels.trainer.plotting import plot_metrics
 from grpo_kernels.trainer.rowcheck import Columns
+from grpo_kernels.trainer.rundir import prepare_output_dir
 
 from .conftest import tiny_argv
 
@@ -130,8 +130,9 @@ def test_partial_checkpoints_are_never_picked(tmp_path):
     (tmp_path / ".deleting-checkpoint-1").mkdir()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10"]
     assert latest_checkpoint(tmp_path).name == "checkpoint-10"
-    remove_partial_checkpoints(tmp_path)
+    prepare_output_dir(tmp_path, resume=True, overwrite=False)  # what a run does first: the temporaries go
     assert not (tmp_path / ".tmp-checkpoint-11-abc").exists() and not (tmp_path / ".deleting-checkpoint-1").exists()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10"]
 
 
 def test_plot_leads_with_held_out_accuracy_and_leaves_out_flat_panels(tmp_path, monkeypatch):
@@ -280,7 +281,11 @@ BAD_ROWS = [  # (file, its text, the message after "dataset '<file>', ")
         '{"question": "1+1=", "solution": "2"}\n\n{"question": "2+2=", "solution": "4"}\n{"solution": "6"}\n',
         f"line 4: {PROMPT} is missing; its columns: ['solution']",
     ),
-    ("null.jsonl", '{"question": "1+1=", "solution": "2"}\n{"question": null, "solution": "4"}\n', f"line 2: {PROMPT} is null"),
+    (
+        "null.jsonl",
+        '{"question": "1+1=", "solution": "2"}\n{"question": null, "solution": "4"}\n',
+        f"line 2: {PROMPT} is null",
+    ),
     ("blank.jsonl", '{"question": "  ", "solution": "2"}\n', f"line 1: {PROMPT} is empty"),
     (
         "number.jsonl",

@@ -27,7 +27,7 @@ from grpo_kernels.trainer.checkpoint import (
     save_checkpoint,
 )
 from grpo_kernels.trainer.errors import StorageError
-from grpo_kernels.trainer.rundir import JsonLog
+from grpo_kernels.trainer.rundir import JsonLog, prepare_output_dir
 
 from . import helpers
 from .conftest import tiny_argv, tiny_config
@@ -74,7 +74,7 @@ def test_pruning_never_leaves_a_checkpoint_that_looks_complete(tmp_path, monkeyp
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
     assert not (tmp_path / "checkpoint-1").exists()  # renamed to a hidden name before being deleted
     monkeypatch.undo()
-    checkpoint.remove_partial_checkpoints(tmp_path)
+    prepare_output_dir(tmp_path, resume=True, overwrite=False)  # what a run does first: the temporaries go
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
 
 
@@ -253,7 +253,11 @@ def test_completions_are_logged_with_prompt_rewards_and_advantage_and_two_are_sh
 
 def test_rewards_get_every_column_the_prompts_own_under_its_name(model_dir, dataset_file, tmp_path, monkeypatch):
     monkeypatch.setattr(helpers, "CALLS", [])
-    train(tiny_config(model_dir, dataset_file, tmp_path, max_steps=1, reward_funcs="tests.trainer.helpers:question_reward"))
+    train(
+        tiny_config(
+            model_dir, dataset_file, tmp_path, max_steps=1, reward_funcs="tests.trainer.helpers:question_reward"
+        )
+    )
     (call,) = helpers.CALLS
     questions = {json.loads(line)["question"] for line in dataset_file.read_text().splitlines()}
     # the dataset's prompt column is "question" and its answer column "solution" (--prompt-column, --answer-column)
@@ -276,7 +280,9 @@ def test_rewards_get_every_column_the_prompts_own_under_its_name(model_dir, data
         ("digit_reward", None),  # the control: the same run, a reward that returns numbers
     ],
 )
-def test_a_reward_that_returns_a_wrong_type_or_count_is_named(reward, message, model_dir, dataset_file, tmp_path, capsys):
+def test_a_reward_that_returns_a_wrong_type_or_count_is_named(
+    reward, message, model_dir, dataset_file, tmp_path, capsys
+):
     argv = tiny_argv(model_dir, dataset_file, tmp_path, max_steps=1, reward_funcs=f"tests.trainer.helpers:{reward}")
     assert main(argv) == (2 if message else 0)
     if message:
@@ -341,12 +347,17 @@ def test_a_signal_says_so_at_once_finishes_the_step_saves_it_and_resume_continue
     # said at once, while step 2 is still in progress (its reward has not returned yet)
     said = err.index(f"{name}: stopping after step 2; send again to stop now")
     assert said < err.index("the reward of step 2 returns")
-    assert err[-1] == f"{name}: stopped after step 2 of 4; last checkpoint: {tmp_path / 'checkpoint-2'} (continue with --resume)"
+    assert (
+        err[-1]
+        == f"{name}: stopped after step 2 of 4; last checkpoint: {tmp_path / 'checkpoint-2'} (continue with --resume)"
+    )
     assert "Traceback" not in "\n".join(err)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]  # the stop saved it (save_steps 0)
     assert [r["step"] for r in records(tmp_path)] == [1, 2]
     if signum == signal.SIGTERM:
-        assert main(tiny_argv(model_dir, dataset_file, tmp_path, max_steps=4, save_steps=0, resume=True, **SIGNALLED)) == 0
+        assert (
+            main(tiny_argv(model_dir, dataset_file, tmp_path, max_steps=4, save_steps=0, resume=True, **SIGNALLED)) == 0
+        )
         same_run(tmp_path, straight)
 
 
