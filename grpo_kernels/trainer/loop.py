@@ -137,7 +137,7 @@ def _loop(run: Run, evaluate: Evaluator | None, eval_every: int) -> TrainResult:
             if cfg.log_completions and ((step + 1) % cfg.logging_steps == 0 or last or stopped):
                 samples = completion_records(step + 1, roll, cfg.log_completions, cfg.num_generations, world)
             flat_steps = flat_steps + 1 if record["frac_reward_zero_std"] == 1.0 else 0
-            warn = flat_steps == cfg.zero_variance_warning_steps and not warned
+            warn = 0 < cfg.zero_variance_warning_steps == flat_steps and not warned  # 0: never
             warned = warned or warn
             save = bool(cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last or stopped
             with together(world):  # rank 0 writes; a full disk stops every rank

@@ -221,6 +221,13 @@ def test_zero_reward_variance_warns_once(model_dir, dataset_file, tmp_path, caps
     assert f"read what the model wrote and how each reward scored it in {tmp_path / 'completions.jsonl'}" in err
 
 
+def test_zero_variance_warning_steps_0_never_warns(model_dir, dataset_file, tmp_path, capsys):
+    varying = CHEAP | {"reward_funcs": "tests.trainer.helpers:digit_reward"}
+    train(tiny_config(model_dir, dataset_file, tmp_path, max_steps=1, zero_variance_warning_steps=0, **varying))
+    assert records(tmp_path)[0]["frac_reward_zero_std"] < 1.0  # a step whose rewards vary: the counter is 0
+    assert "in a row every group" not in capsys.readouterr().err
+
+
 def test_completions_are_logged_with_prompt_rewards_and_advantage_and_two_are_shown(
     model_dir, dataset_file, tmp_path, capsys
 ):
