@@ -62,3 +62,12 @@ def test_the_trainer_without_its_extra_is_one_line_naming_it():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: grpo_kernels.trainer needs the [train] extra"), proc.stderr[-2000:]
     assert "pip install 'grpo-kernels[train]'" in last and "transformers" in last, last
+
+
+def test_the_command_without_its_extra_is_one_line_naming_it():
+    proc = _run("from grpo_kernels.extras import run_cli\nsys.exit(run_cli(['demo']))\n")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+        and "grpo-kernels: the grpo-kernels command needs the [train] extra" in proc.stderr
+    ), proc.stderr
