@@ -19,7 +19,7 @@ from .config import LossConfig, make_config
 from .dispatch import pick_backend, scale_
 from .distributed import check_group, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, entropy_bonus_weights, grpo_objective, per_token_objective
-from .ops.rows import RowBackend
+from .ops.backend import RowBackend
 from .validation import check_ids, check_ids_range, check_logits, check_values, token_inputs, value_guard
 from .vocab_parallel import ShardBackend, shard_offset
 
@@ -78,18 +78,18 @@ def forward_rows(
             old_logp=None if inp.old_logp is None else inp.old_logp.float(),
             # β = 0: no ref, so that an inf there cannot turn into 0·inf in the kernel
             ref_logp=None if cfg.beta == 0.0 else inp.ref_logp.float(),
-            is_ratio=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
+            rho=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
             weight=weights.float(),
             entropy_weight=entropy_bonus_weights(inp.mask, cfg).float() if cfg.entropy_coef != 0.0 else None,
             cfg=cfg,
             out=out,
         )
-        with torch.no_grad():  # logp is float64 here (exact, see ops/rows.py)
+        with torch.no_grad():  # logp is float64 here (exact, see ops/backend.py)
             loss, metrics = grpo_objective(logp.double(), entropy.double(), inp, cfg, weights)
         return loss, logp.float(), entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
-    # ℓ comes in float64 (ops/rows.py, "ℓ in float64"): exp(ℓ − ℓ_old) and the KL are exact for any |ℓ|.
+    # ℓ comes in float64 (ops/backend.py, "ℓ in float64"): exp(ℓ − ℓ_old) and the KL are exact for any |ℓ|.
     logp64, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
     logp = logp64.to(entropy.dtype)  # float32 (float64 for float64 logits)
     with torch.enable_grad():

@@ -20,7 +20,7 @@ import torch
 from .config import NUMERIC_OPTIONS, OPTION_DEFAULTS, LossConfig, check_option_names, config_from_flat
 from .dispatch import pick_backend
 from .loss_math import TokenInputs, grpo_objective
-from .ops.rows import RowBackend, empty_row_state, stats_dtype
+from .ops.backend import RowBackend, empty_row_state, stats_dtype
 from .validation import check_ids, check_logits, check_values, token_inputs, value_guard
 
 
@@ -32,7 +32,7 @@ def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
 def row_stats_op(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/rows.py, "ℓ in float64"). `ids` lie
+    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/backend.py, "ℓ in float64"). `ids` lie
     in [0, V) (the traced code's `value_guard` put them there)."""
     return _rows(backend, logits).row_stats(logits, ids, temperature)
 
@@ -166,7 +166,7 @@ def compiled_grpo_loss(
         call = call + check_values_op(
             logits.detach(), ids, inp.advantages, inp.mask, inp.old_logp, inp.ref_logp, inp.is_ratio, cfg.beta
         )
-    logp, entropy, _ = row_stats_op(logits, guard.ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
+    logp, entropy, _ = row_stats_op(logits, guard.ids, cfg.temperature, backend)  # ℓ float64 (ops/backend.py)
     loss, metrics = grpo_objective(logp, entropy.double(), inp, cfg)
     loss = loss.to(entropy.dtype) * call
     logp, entropy = guard.tokens(logp.detach().to(entropy.dtype)), guard.tokens(entropy.detach())

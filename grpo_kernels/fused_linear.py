@@ -20,7 +20,7 @@ from .config import LossConfig, make_config
 from .dispatch import pick_linear_backend, scale_
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import TokenInputs, aggregation_weights, grpo_objective
-from .ops.rows import LinearBackend
+from .ops.backend import LinearBackend, LinearInputs, RowCoefficients
 from .validation import check_ids, check_ids_range, check_rows_tensor, check_values, token_inputs, value_guard
 from .vocab_parallel import LinearShard, shard_offset
 
@@ -74,12 +74,12 @@ def _prepare(
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
     ids = check_ids(completion_ids, batch, length, hidden.device)
-    rows: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
+    tiles: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
     vocab = weight.shape[0]
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
-        rows = LinearShard(rows, vocab_parallel_group, offset)
-    return hidden, weight, bias, ids, rows, vocab
+        tiles = LinearShard(tiles, vocab_parallel_group, offset)
+    return hidden, weight, bias, ids, tiles, vocab
 
 
 class _FusedLinearLogSoftmax(torch.autograd.Function):
@@ -88,7 +88,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, backend):  # type: ignore[override]
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy, lse = backend.stats(hidden, weight, bias, ids, temperature)
+            logp, entropy, lse = backend.stats(LinearInputs(hidden, weight, bias, ids, temperature))
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.temperature, ctx.backend = temperature, backend
         return logp, entropy
@@ -99,8 +99,9 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype)
         h = None if grad_entropy is None else grad_entropy.to(lse.dtype)
+        inp = LinearInputs(hidden, weight, bias, ids, ctx.temperature)
         with torch.autocast(hidden.device.type, enabled=False):
-            grads = ctx.backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, ctx.temperature, needs)
+            grads = ctx.backend.grads(inp, RowCoefficients(lse, entropy, g, h), needs)
         return (*grads, None, None, None)
 
 
@@ -166,8 +167,9 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, cfg, backend, inp, weights, ids, metrics_out):  # type: ignore[override]
         needs = tuple(ctx.needs_input_grad[:3])
         # The tiles' precision is fixed here (fp32 logits, fp32 accumulation), not by an enclosing autocast.
+        tiles = LinearInputs(hidden, weight, bias, ids, cfg.temperature)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy, lse = backend.stats(hidden, weight, bias, ids, cfg.temperature)
+            logp, entropy, lse = backend.stats(tiles)
             with torch.enable_grad():
                 lp = logp.detach().double().requires_grad_(any(needs))
                 ent = entropy.detach().double().requires_grad_(any(needs) and cfg.entropy_coef != 0.0)
@@ -178,7 +180,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
                 dl = torch.autograd.grad(loss, wrt, allow_unused=True)
                 g = torch.zeros_like(logp) if dl[0] is None else dl[0].to(logp.dtype)
                 h = dl[1].to(logp.dtype) if len(dl) > 1 and dl[1] is not None else None
-                grads = backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, cfg.temperature, needs)
+                grads = backend.grads(tiles, RowCoefficients(lse, entropy, g, h), needs)
         metrics_out.update(metrics)
         ctx.grads = grads
         ctx.mark_non_differentiable(logp, entropy)
