@@ -21,7 +21,7 @@ from .config import LossConfig
 from .dispatch import pick_backend, scale_
 from .distributed import resolve_data_group
 from .loss_math import TokenInputs, coefficients, entropy_bonus_weights, objective_coefficients, per_token_objective
-from .ops.rows import RowBackend
+from .ops.backend import RowBackend
 from .validation import check_ids, check_ids_range, check_logits, value_guard
 from .vocab_parallel import ShardBackend, shard_offset
 
@@ -65,18 +65,18 @@ def forward_rows(
             old_logp=None if inp.old_logp is None else inp.old_logp.float(),
             # β = 0: no ref, so that an inf there cannot turn into 0·inf in the kernel
             ref_logp=None if cfg.beta == 0.0 else inp.ref_logp.float(),
-            is_ratio=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
+            rho=None if inp.is_ratio is None else inp.is_ratio.float().expand(batch, length),
             weight=weights.float(),
             entropy_weight=entropy_bonus_weights(inp.mask, cfg).float() if cfg.entropy_coef != 0.0 else None,
             cfg=cfg,
             out=out,
         )
-        # logp is float64 here (exact, see ops/rows.py); the gradient is written already
+        # logp is float64 here (exact, see ops/backend.py); the gradient is written already
         loss, metrics, _, _ = objective_coefficients(logp, entropy, inp, cfg, weights, False)
         return loss, logp.float(), entropy, metrics
 
     # Sequence-level options (or no gradient): statistics first, the O(B·T) objective, then one gradient pass.
-    # ℓ comes in float64 (ops/rows.py, "ℓ in float64"): exp(ℓ − ℓ_old) and the KL are exact for any |ℓ|.
+    # ℓ comes in float64 (ops/backend.py, "ℓ in float64"): exp(ℓ − ℓ_old) and the KL are exact for any |ℓ|.
     logp64, entropy, row_state = backend.row_stats(logits, ids, cfg.temperature)
     logp = logp64.to(entropy.dtype)  # float32 (float64 for float64 logits)
     loss, metrics, g, h = objective_coefficients(logp64, entropy, inp, cfg, weights, out is not None)
@@ -196,11 +196,11 @@ def selective_log_softmax(
     ids = check_ids(completion_ids, batch, length, logits.device)
     temperature = LossConfig(temperature=temperature).temperature
     check_inputs = LossConfig(check_inputs=check_inputs).check_inputs
-    rows = pick_backend(logits.device, backend, logits.dtype)
+    row_backend = pick_backend(logits.device, backend, logits.dtype)
     if check_inputs:
         check_ids_range(ids, vocab)
     guard = value_guard(ids, vocab)
-    logp, entropy = _SelectiveLogSoftmax.apply(logits, guard.ids, temperature, rows)
+    logp, entropy = _SelectiveLogSoftmax.apply(logits, guard.ids, temperature, row_backend)
     return guard.tokens(logp), guard.tokens(entropy)
 
 
@@ -298,10 +298,10 @@ def _eager_loss(
     """`grpo_loss` outside torch.compile, its options checked: the row backend (a vocabulary shard of it), the
     per-token side of the boundary, then the autograd function of the reduction."""
     vocab = logits.shape[-1]
-    rows = pick_backend(logits.device, backend, logits.dtype)
+    row_backend = pick_backend(logits.device, backend, logits.dtype)
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, logits.device)
-        rows = ShardBackend(vocab_parallel_group, offset, rows)
+        row_backend = ShardBackend(vocab_parallel_group, offset, row_backend)
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor that requires grad; pass a non-leaf view")
     call = prepare_tokens(
@@ -311,11 +311,11 @@ def _eager_loss(
     metrics: dict[str, torch.Tensor] = {}
     if reduction == "none":
         loss, logp, entropy = _PerTokenLossFunction.apply(
-            logits, call.ids, cfg, rows, call.inp, inplace_backward, metrics
+            logits, call.ids, cfg, row_backend, call.inp, inplace_backward, metrics
         )
     else:
         loss, logp, entropy = _GRPOLossFunction.apply(
-            logits, call.ids, cfg, rows, call.inp, call.weights, inplace_backward, metrics
+            logits, call.ids, cfg, row_backend, call.inp, call.weights, inplace_backward, metrics
         )
     guard = call.guard
     return GRPOOutput(

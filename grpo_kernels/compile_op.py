@@ -19,7 +19,7 @@ import torch
 from .config import OPTION_DEFAULTS, LossConfig, check_option_names, config_from_encoded, encode_options
 from .dispatch import pick_backend
 from .loss_math import TokenInputs, grpo_objective
-from .ops.rows import RowBackend, empty_row_state, stats_dtype
+from .ops.backend import RowBackend, empty_row_state, stats_dtype
 from .validation import TokenCall, check_values
 
 
@@ -31,7 +31,7 @@ def _rows(backend: str, logits: torch.Tensor) -> RowBackend:
 def row_stats_op(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/rows.py, "ℓ in float64"). `ids` lie
+    """(logp, entropy, row_state) from one read of the logits; logp float64 (ops/backend.py, "ℓ in float64"). `ids` lie
     in [0, V) (the traced code's `value_guard` put them there)."""
     return _rows(backend, logits).row_stats(logits, ids, temperature)
 
@@ -146,7 +146,7 @@ def compiled_grpo_loss(
     """grpo_loss as traced by torch.compile: (loss, logp, entropy, metrics), opaque row ops around a traced
     O(B·T) objective. `call` comes from the same boundary as eager's (`boundary.prepare_tokens`)."""
     cfg, guard = call.cfg, call.guard
-    logp, entropy, _ = row_stats_op(logits, call.ids, cfg.temperature, backend)  # ℓ float64 (ops/rows.py)
+    logp, entropy, _ = row_stats_op(logits, call.ids, cfg.temperature, backend)  # ℓ float64 (ops/backend.py)
     loss, metrics = grpo_objective(logp, entropy.double(), call.inp, cfg, call.weights)
     loss = loss.to(entropy.dtype) * call.factor
     logp, entropy = guard.tokens(logp.detach().to(entropy.dtype)), guard.tokens(entropy.detach())

@@ -1,7 +1,7 @@
 """The one place a backend is chosen: `pick_backend` for the logits path, `pick_linear_backend` for fused-linear,
 `scale_` for the backward's scaling of a stored gradient.
 
-Both return objects typed by the protocols of ops/rows.py. The Triton modules are imported only when picked, so a
+Both return objects typed by the protocols of ops/backend.py. The Triton modules are imported only when picked, so a
 machine without Triton (or without CUDA) never imports them.
 """
 
@@ -12,7 +12,7 @@ import os
 import torch
 
 from .config import BACKENDS
-from .ops.rows import LinearBackend, RowBackend
+from .ops.backend import LinearBackend, RowBackend
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -62,12 +62,12 @@ def pick_backend(device: torch.device, name: str = "auto", dtype: torch.dtype | 
 def pick_linear_backend(device: torch.device, name: str = "auto", dtype: torch.dtype | None = None) -> LinearBackend:
     """The fused-linear tile backend for `device`: the same name, device and dtype rules as `pick_backend`."""
     if _wants_torch(name, device, dtype, "hidden and weight"):
-        from .ops import linear_torch
+        from .ops import linear_folds_torch
 
-        return linear_torch
-    from .ops import linear_triton
+        return linear_folds_torch.BACKEND
+    from .ops import linear_folds_triton
 
-    return linear_triton
+    return linear_folds_triton.BACKEND
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from .config import LossConfig
 from .dispatch import pick_linear_backend, scale_
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import objective_coefficients
-from .ops.rows import LinearBackend
+from .ops.backend import LinearBackend, LinearInputs, RowCoefficients
 from .validation import check_ids, check_ids_range, check_rows_tensor, value_guard
 from .vocab_parallel import LinearShard, shard_offset
 
@@ -75,12 +75,12 @@ def _prepare(
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
     ids = check_ids(completion_ids, batch, length, hidden.device)
-    rows: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
+    tile_backend: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
     vocab = weight.shape[0]
     if vocab_parallel_group is not None:
         offset, vocab = shard_offset(vocab, vocab_parallel_group, hidden.device)
-        rows = LinearShard(rows, vocab_parallel_group, offset)
-    return hidden, weight, bias, ids, rows, vocab
+        tile_backend = LinearShard(tile_backend, vocab_parallel_group, offset)
+    return hidden, weight, bias, ids, tile_backend, vocab
 
 
 class _FusedLinearLogSoftmax(torch.autograd.Function):
@@ -89,7 +89,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, backend):  # type: ignore[override]
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy, lse = backend.stats(hidden, weight, bias, ids, temperature)
+            logp, entropy, lse = backend.stats(LinearInputs(hidden, weight, bias, ids, temperature))
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.temperature, ctx.backend = temperature, backend
         return logp, entropy
@@ -100,8 +100,9 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype)
         h = None if grad_entropy is None else grad_entropy.to(lse.dtype)
+        inp = LinearInputs(hidden, weight, bias, ids, ctx.temperature)
         with torch.autocast(hidden.device.type, enabled=False):
-            grads = ctx.backend.grads(hidden, weight, bias, ids, lse, entropy, g, h, ctx.temperature, needs)
+            grads = ctx.backend.grads(inp, RowCoefficients(lse, entropy, g, h), needs)
         return (*grads, None, None, None)
 
 
@@ -152,13 +153,13 @@ def fused_linear_log_softmax(
         >>> (logp.sum() + 0.01 * entropy.sum()).backward()
     """
     checked = LossConfig(temperature=temperature, check_inputs=check_inputs)
-    hidden, weight, bias, ids, rows, vocab = _prepare(
+    hidden, weight, bias, ids, tile_backend, vocab = _prepare(
         hidden, weight, bias, completion_ids, backend, vocab_parallel_group
     )
     if checked.check_inputs:
         check_ids_range(ids, vocab)
     guard = value_guard(ids, vocab)
-    logp, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, bias, guard.ids, checked.temperature, rows)
+    logp, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, bias, guard.ids, checked.temperature, tile_backend)
     return guard.tokens(logp), guard.tokens(entropy)
 
 
@@ -167,15 +168,14 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, cfg, backend, inp, weights, ids, metrics_out):  # type: ignore[override]
         needs = tuple(ctx.needs_input_grad[:3])
         # The tiles' precision is fixed here (fp32 logits, fp32 accumulation), not by an enclosing autocast.
+        tiles = LinearInputs(hidden, weight, bias, ids, cfg.temperature)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy, lse = backend.stats(hidden, weight, bias, ids, cfg.temperature)
+            logp, entropy, lse = backend.stats(tiles)
             loss, metrics, g, h = objective_coefficients(logp, entropy, inp, cfg, weights, any(needs))
             grads: tuple[torch.Tensor | None, ...] = (None, None, None)
             if g is not None:
                 h = None if h is None else h.to(logp.dtype)
-                grads = backend.grads(
-                    hidden, weight, bias, ids, lse, entropy, g.to(logp.dtype), h, cfg.temperature, needs
-                )
+                grads = backend.grads(tiles, RowCoefficients(lse, entropy, g.to(logp.dtype), h), needs)
         metrics_out.update(metrics)
         ctx.grads = grads
         ctx.mark_non_differentiable(logp, entropy)
@@ -264,14 +264,14 @@ def fused_linear_grpo_loss(
         config, options, "fused_linear_grpo_loss",
         vocab_parallel_group=vocab_parallel_group, data_parallel_group=data_parallel_group,
     )  # fmt: skip
-    hidden, weight, bias, ids, rows, vocab = _prepare(
+    hidden, weight, bias, ids, tile_backend, vocab = _prepare(
         hidden, weight, bias, completion_ids, backend, vocab_parallel_group
     )
     tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
     call = prepare_tokens(cfg, ids, vocab, tensors, resolve_data_group(data_parallel_group, vocab_parallel_group))
     metrics: dict[str, torch.Tensor] = {}
     loss, logp, entropy = _FusedLinearGRPOFunction.apply(
-        hidden, weight, bias, cfg, rows, call.inp, call.weights, call.ids, metrics
+        hidden, weight, bias, cfg, tile_backend, call.inp, call.weights, call.ids, metrics
     )
     guard = call.guard
     return GRPOOutput(

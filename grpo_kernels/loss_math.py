@@ -4,8 +4,9 @@ The one definition of the per-token loss outside the float64 oracle (reference/)
 The vocabulary-wide work (ℓ, H, ∂logits) lives in the row backends; everything here is O(B·T) and runs in float64,
 so it is exact next to the fp32 row statistics. The loss calls `grpo_objective` with ℓ and H as autograd leaves and
 reads g = ∂loss/∂ℓ and h = ∂loss/∂H off their gradients; that is what makes every option (sequence-level ratios,
-entropy and off-policy masks, vespo) available to every backend. The Triton one-read kernel recomputes the
-token-level subset of this math in registers (the one justified copy) with `aggregation_weights` from here.
+entropy and off-policy masks, vespo) available to every backend. The one-read fused kernels recompute the
+token-level coefficient g in registers, with `aggregation_weights` from here: `triton_logits._token_coef` and
+`token_coef` in csrc/cpu_rows.c, the two other copies of `per_token_terms`' token-level math (ops/coef.py).
 """
 
 from __future__ import annotations

@@ -12,17 +12,17 @@ every shard's part: one all-reduce of the fp32 ∂hidden, inside the forward lik
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from .distributed import comm_device
-from .ops.linear_torch import RowStats
-from .ops.rows import FusedTokenGrad, LinearBackend, RowBackend, logp_from_sums
+from .ops.backend import FusedTokenGrad, LinearBackend, LinearInputs, RowBackend, RowCoefficients, logp_from_sums
+from .ops.linear_tiles import RowStats
 
 
-def shard_offset(
-    local_vocab: int, group: dist.ProcessGroup, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_offset(local_vocab: int, group: dist.ProcessGroup, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(first vocabulary id of this rank's shard, full vocabulary size), shards in rank order: 0-d int64 tensors on
     the group's communication device, never read back by the host (ids are shifted on the device)."""
     where = comm_device(group, device)
@@ -35,8 +35,8 @@ def shard_offset(
 
 def merge_partials(gathered: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[P, B, T, 5] partials of every rank (`RowBackend.shard_partials`) -> (logp, entropy, row_state) of the full
-    vocabulary, row_state in the shared layout of ops/rows.py. Merged in float64, so ℓ is float64 as every
-    backend's (ops/rows.py, "ℓ in float64"); entropy and row_state in the partials' dtype."""
+    vocabulary, row_state in the shared layout of ops/backend.py. Merged in float64, so ℓ is float64 as every
+    backend's (ops/backend.py, "ℓ in float64"); entropy and row_state in the partials' dtype."""
     dtype = gathered.dtype
     parts = gathered.double()
     m, scale, total, weighted = _merge_sums(parts[..., 0], parts[..., 1], parts[..., 2], 1.0 / temperature)
@@ -66,24 +66,24 @@ def _merge_sums(
 
 
 class ShardBackend:
-    """A `RowBackend` over one contiguous vocabulary shard [offset, offset + V_rank) of the full vocabulary: `rows`
-    (the logits backend of this rank) reduces the shard to partials, one all-gather merges them into the full
-    vocabulary's ℓ, H and row state, and `rows.row_grad` writes the shard's gradient with shard-local ids. `offset`
-    is a 0-d tensor (`shard_offset`): the ids are made shard-local on the device."""
+    """A `RowBackend` over one contiguous vocabulary shard [offset, offset + V_rank) of the full vocabulary:
+    `backend` (the logits backend of this rank) reduces the shard to partials, one all-gather merges them into the
+    full vocabulary's ℓ, H and row state, and `backend.row_grad` writes the shard's gradient with shard-local ids.
+    `offset` is a 0-d tensor (`shard_offset`): the ids are made shard-local on the device."""
 
     fused_token_grad: FusedTokenGrad | None = None  # the merge needs every shard's statistics before any gradient
 
-    def __init__(self, group: dist.ProcessGroup, offset: torch.Tensor, rows: RowBackend) -> None:
-        self.group, self.offset, self.rows = group, offset, rows
+    def __init__(self, group: dist.ProcessGroup, offset: torch.Tensor, backend: RowBackend) -> None:
+        self.group, self.offset, self.backend = group, offset, backend
 
     def row_stats(self, logits, ids, temperature):
-        parts = self.rows.shard_partials(logits, ids - self.offset, 0, temperature)  # shard-local ids, offset 0
+        parts = self.backend.shard_partials(logits, ids - self.offset, 0, temperature)  # shard-local ids, offset 0
         gathered = [torch.empty_like(parts) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(gathered, parts, group=self.group)
         return merge_partials(torch.stack(gathered), temperature)
 
     def row_grad(self, logits, ids, state, g, h, temperature, out):
-        self.rows.row_grad(logits, ids - self.offset, state, g, h, temperature, out)
+        self.backend.row_grad(logits, ids - self.offset, state, g, h, temperature, out)
 
     def shard_partials(self, logits, ids, offset, temperature):
         raise NotImplementedError("a vocabulary shard is not sharded again")
@@ -100,16 +100,19 @@ def merge_row_stats(st: RowStats, group: dist.ProcessGroup) -> RowStats:
 
 
 class LinearShard:
-    """The fused-linear backend interface (`stats`, `grads`) over one shard of the lm_head weight rows."""
+    """A `LinearBackend` over one shard of the lm_head weight rows: `backend` (this rank's tile backend) with
+    shard-local ids, the shards' pass-1 statistics merged and the fp32 ∂hidden summed over the group."""
 
-    def __init__(self, rows: LinearBackend, group: dist.ProcessGroup, offset: torch.Tensor) -> None:
-        self.rows, self.group, self.offset = rows, group, offset
+    def __init__(self, backend: LinearBackend, group: dist.ProcessGroup, offset: torch.Tensor) -> None:
+        self.backend, self.group, self.offset = backend, group, offset
 
-    def stats(self, hidden, weight, bias, ids, temperature):
+    def _local(self, inp: LinearInputs) -> LinearInputs:
+        return replace(inp, ids=inp.ids - self.offset)
+
+    def stats(self, inp: LinearInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         merge = lambda st: merge_row_stats(st, self.group)
-        return self.rows.stats(hidden, weight, bias, ids - self.offset, temperature, merge)
+        return self.backend.stats(self._local(inp), merge)
 
-    def grads(self, hidden, weight, bias, ids, lse, entropy, g, h, temperature, needs):
+    def grads(self, inp: LinearInputs, coef: RowCoefficients, needs: tuple[bool, bool, bool]) -> tuple:
         reduce_dx = lambda dx: dist.all_reduce(dx, group=self.group)
-        local = ids - self.offset
-        return self.rows.grads(hidden, weight, bias, local, lse, entropy, g, h, temperature, needs, reduce_dx)
+        return self.backend.grads(self._local(inp), coef, needs, reduce_dx)

@@ -341,7 +341,7 @@ def check_cancelling_coefficient(backend: str, options: dict) -> None:
     """g = ∂loss/∂ℓ far smaller than its terms: one active token whose policy-gradient term −A·ρ·r and KL term
     β·(1 − exp(ℓ_ref − ℓ)) cancel to 1/25 of their size, with |ℓ| ≈ 10 (an fp32 ℓ or log Σe there carries
     5e-7, which g would carry at 25 times its relative weight). ∂logits at the fp32 tolerance of `TOLERANCES`:
-    reached only if ℓ is exact to a few 1e-8 (ops/rows.py, "ℓ in float64")."""
+    reached only if ℓ is exact to a few 1e-8 (ops/backend.py, "ℓ in float64")."""
     gen = torch.Generator().manual_seed(11)
     tau = options.get("temperature", 1.0)
     adv, rho, beta = -0.26, 0.93, 0.5

@@ -189,7 +189,7 @@ def test_l2_grid_switch_is_set_and_undone(monkeypatch):
     ones = torch.ones(batch, length)
     with traffic.fused_grid("sms") as probe:
         assert triton_logits.FUSED_GRID == "sms" and triton_logits.fused_token_grad_fwd_kernel is probe
-        triton_logits.fused_token_grad(x, ids, 1.0, advantages=ones, old_logp=None, ref_logp=None, is_ratio=None,
+        triton_logits.fused_token_grad(x, ids, 1.0, advantages=ones, old_logp=None, ref_logp=None, rho=None,
                                        weight=ones, entropy_weight=None, cfg=Workload(beta=0.0).config(),
                                        out=torch.empty_like(x))  # fmt: skip
     assert probe.programs == {batch * length}  # the interpreter: one program per row

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from grpo_kernels.api import grpo_loss
 from grpo_kernels.fused_linear import fused_linear_grpo_loss
-from grpo_kernels.ops import linear_torch, linear_triton
+from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss
 
 from .conftest import needs_triton_cpu
@@ -25,14 +25,15 @@ pytestmark = pytest.mark.usefixtures("nan_empty")  # an output element a kernel 
 
 # the CPU tiles; the Triton folds on CPU tensors (interpreted, so skipped on a machine whose interpreter is off)
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_cpu)]
-PRODUCTION_TILES = {mod: (mod.TILE_ELEMENTS, mod.MIN_VOCAB_TILE) for mod in (linear_torch, linear_triton)}
+TILE_BACKENDS = (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND)
+PRODUCTION_TILES = [(tiles, tiles.tile_elements, tiles.min_vocab_tile) for tiles in TILE_BACKENDS]
 
 # Bounds from docs/loss.md, "Tolerances". fp32: loss/ℓ/H 1e-5 relative (1e-6 absolute); gradients 1e-5 of their max.
 # Half inputs: loss/ℓ/H 1e-4 relative; gradients element by element within `_half_grad_bound` (see there).
 TOLERANCES = {
-    torch.float32: dict(rtol=1e-5, atol=1e-6, grad_rel_max=1e-5),
-    torch.bfloat16: dict(rtol=1e-4, atol=1e-6),
-    torch.float16: dict(rtol=1e-4, atol=1e-6),
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6, "grad_rel_max": 1e-5},
+    torch.bfloat16: {"rtol": 1e-4, "atol": 1e-6},
+    torch.float16: {"rtol": 1e-4, "atol": 1e-6},
 }
 
 # B = 3 (one sequence fully masked, one half), T = 4, H = 37 (not a power of two), V = 300 (not a multiple of any tile).
@@ -43,9 +44,9 @@ B, T, H, V = 3, 4, 37, 300
 def small_tiles(monkeypatch):
     # 12 rows in blocks of 10 and 2; vocabulary tiles of 128, 128 and 44 columns: every loop edge is crossed, in few
     # kernel launches (the interpreter pays per launch).
-    for mod in (linear_torch, linear_triton):
-        monkeypatch.setattr(mod, "TILE_ELEMENTS", 1280)
-        monkeypatch.setattr(mod, "MIN_VOCAB_TILE", 128)
+    for tiles in TILE_BACKENDS:
+        monkeypatch.setattr(tiles, "tile_elements", 1280)
+        monkeypatch.setattr(tiles, "min_vocab_tile", 128)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def make_inputs(dtype=torch.float32, extras=(), seed=0, bias=True):
     mask[2] = 0
     true_logits = hidden.double().reshape(-1, H) @ weight.double().T + (0 if b is None else b.double())
     true_logp = true_logits.log_softmax(-1).gather(-1, ids.reshape(-1, 1)).view(B, T).float()
-    tensors = dict(advantages=randn(B, T) if "adv_bt" in extras else randn(B), completion_mask=mask)
+    tensors = {"advantages": randn(B, T) if "adv_bt" in extras else randn(B), "completion_mask": mask}
     tensors["old_logp"] = true_logp + 0.3 * randn(B, T) if "old" in extras else None  # ratios on both clip edges
     tensors["ref_logp"] = true_logp + 0.5 * randn(B, T) if "ref" in extras else None
     if "is_ratio" in extras:
@@ -126,20 +127,24 @@ def assert_fp32_close(out, grads, ref):
 # (id, options, extra inputs): each case moves g = ∂loss/∂ℓ or h = ∂loss/∂H through a different branch.
 CASES = [
     ("grpo", {}, ()),  # defaults, old_logp None: ratio exactly 1, g = −A·w
-    ("grpo-old-tau", dict(temperature=0.7), ("old",)),  # both clip edges active; τ != 1 scales z and dz
-    ("bnpo-kl", dict(loss_type="bnpo", beta=0.04), ("old", "ref")),  # the k3 KL term in g
+    ("grpo-old-tau", {"temperature": 0.7}, ("old",)),  # both clip edges active; τ != 1 scales z and dz
+    ("bnpo-kl", {"loss_type": "bnpo", "beta": 0.04}, ("old", "ref")),  # the k3 KL term in g
     (
         "dr_grpo-biaskl",
-        dict(loss_type="dr_grpo", beta=0.1, use_bias_correction_kl=True, max_completion_length=8),
+        {"loss_type": "dr_grpo", "beta": 0.1, "use_bias_correction_kl": True, "max_completion_length": 8},
         ("old", "ref"),
     ),  # KL times the ratio
-    ("dapo-delta", dict(loss_type="dapo", epsilon_high=0.28, delta=1.5), ("old", "is_ratio", "adv_bt")),  # two-sided
-    ("luspo-gspo", dict(loss_type="luspo", importance_sampling_level="sequence"), ("old",)),  # sequence-level ratio
-    ("cispo", dict(loss_type="cispo", epsilon_high=1.2), ("old", "is_ratio")),  # capped detached weight
-    ("sapo-entropy", dict(loss_type="sapo", entropy_coef=0.05), ("old",)),  # h != 0: the entropy-bonus dz term
-    ("vespo", dict(loss_type="vespo"), ("old", "is_ratio")),  # sequence-level φ with ρ folded in
-    ("entropy-mask", dict(top_entropy_quantile=0.5, entropy_coef=0.02), ("old",)),  # quantile mask and h together
-    ("off-policy", dict(off_policy_mask_threshold=0.05), ("old", "sampling")),  # sequence mask from sampling_logp
+    (
+        "dapo-delta",
+        {"loss_type": "dapo", "epsilon_high": 0.28, "delta": 1.5},
+        ("old", "is_ratio", "adv_bt"),
+    ),  # two-sided
+    ("luspo-gspo", {"loss_type": "luspo", "importance_sampling_level": "sequence"}, ("old",)),  # sequence-level ratio
+    ("cispo", {"loss_type": "cispo", "epsilon_high": 1.2}, ("old", "is_ratio")),  # capped detached weight
+    ("sapo-entropy", {"loss_type": "sapo", "entropy_coef": 0.05}, ("old",)),  # h != 0: the entropy-bonus dz term
+    ("vespo", {"loss_type": "vespo"}, ("old", "is_ratio")),  # sequence-level φ with ρ folded in
+    ("entropy-mask", {"top_entropy_quantile": 0.5, "entropy_coef": 0.02}, ("old",)),  # quantile mask and h together
+    ("off-policy", {"off_policy_mask_threshold": 0.05}, ("old", "sampling")),  # sequence mask from sampling_logp
 ]
 
 
@@ -156,7 +161,7 @@ def test_matches_oracle_fp32(case, backend):
 def test_metrics_match_the_logits_path():
     # Same objective code, so the metrics must agree with grpo_loss on the materialized logits.
     hidden, weight, bias, ids, tensors = make_inputs(extras=("old", "ref"))
-    options = dict(beta=0.04, entropy_coef=0.01)
+    options = {"beta": 0.04, "entropy_coef": 0.01}
     out = fused_linear_grpo_loss(hidden, weight, ids, bias=bias, backend="torch", **tensors, **options)
     logits = hidden @ weight.T + bias
     want = grpo_loss(logits, ids, backend="torch", **tensors, **options)
@@ -190,7 +195,7 @@ def _half_grad_bound(want, dz, other, grad_dtype, storage_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])  # fp16: also underflow
 def test_half_precision(dtype, backend):
     # The oracle sees the same bf16/fp16 values upcast; the kernel computes the logits in fp32 from them.
-    options = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05, temperature=0.9)  # g and h both non-trivial
+    options = {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.05, "temperature": 0.9}  # g and h both non-trivial
     hidden, weight, bias, ids, tensors = make_inputs(dtype, extras=("old", "ref"), seed=3)
     out, dx, dw, db = run(hidden, weight, bias, ids, tensors, options, 0.5, backend)
     loss, logp, entropy, want_dx, want_dw, want_db, dz, x = oracle(hidden, weight, bias, ids, tensors, options, 0.5)
@@ -228,7 +233,7 @@ def test_strided_hidden_without_bias(backend, masked):
         view.view(-1, H)
     if not masked:
         tensors["completion_mask"] = None  # every row active
-    options = dict(entropy_coef=0.03)
+    options = {"entropy_coef": 0.03}
     out, *grads = run(view, weight, None, ids, tensors, options, 1.0, backend)
     assert grads[2] is None
     assert_fp32_close(out, grads, oracle(hidden, weight, None, ids, tensors, options, 1.0))
@@ -330,8 +335,8 @@ def assert_never_materializes_the_logits(monkeypatch, step) -> None:
     """`step(hidden, weight, ids)` (a forward and backward) allocates nothing of the logits' size.
 
     64 rows x 1024 vocabulary = 65536 logits; the tile budget is 4096 (16 rows x 256) and weight has 1024 x 4."""
-    monkeypatch.setattr(linear_torch, "TILE_ELEMENTS", 4096)
-    monkeypatch.setattr(linear_torch, "MIN_VOCAB_TILE", 256)
+    monkeypatch.setattr(linear_folds_torch.BACKEND, "tile_elements", 4096)
+    monkeypatch.setattr(linear_folds_torch.BACKEND, "min_vocab_tile", 256)
     rows, vocab, width = 64, 1024, 4
     hidden = torch.randn(2, rows // 2, width, requires_grad=True)
     weight = torch.randn(vocab, width, requires_grad=True)
@@ -368,14 +373,20 @@ def test_any_shape_torch(batch, length, width, vocab, tile, seed):
     weight = torch.randn(vocab, width, generator=gen)
     bias = torch.randn(vocab, generator=gen)
     ids = torch.randint(0, vocab, (batch, length), generator=gen)
-    tensors = dict(advantages=torch.randn(batch, generator=gen), completion_mask=None, old_logp=None, ref_logp=None)
-    old = (linear_torch.TILE_ELEMENTS, linear_torch.MIN_VOCAB_TILE)
-    linear_torch.TILE_ELEMENTS, linear_torch.MIN_VOCAB_TILE = tile, 8
+    tensors = {
+        "advantages": torch.randn(batch, generator=gen),
+        "completion_mask": None,
+        "old_logp": None,
+        "ref_logp": None,
+    }
+    tiles = linear_folds_torch.BACKEND
+    old = (tiles.tile_elements, tiles.min_vocab_tile)
+    tiles.tile_elements, tiles.min_vocab_tile = tile, 8
     try:
-        out, *grads = run(hidden, weight, bias, ids, tensors, dict(entropy_coef=0.1), 1.0, "torch")
+        out, *grads = run(hidden, weight, bias, ids, tensors, {"entropy_coef": 0.1}, 1.0, "torch")
     finally:
-        linear_torch.TILE_ELEMENTS, linear_torch.MIN_VOCAB_TILE = old
-    assert_fp32_close(out, grads, oracle(hidden, weight, bias, ids, tensors, dict(entropy_coef=0.1), 1.0))
+        tiles.tile_elements, tiles.min_vocab_tile = old
+    assert_fp32_close(out, grads, oracle(hidden, weight, bias, ids, tensors, {"entropy_coef": 0.1}, 1.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,28 +394,32 @@ def test_any_shape_torch(batch, length, width, vocab, tile, seed):
 
 
 def _good():
-    return dict(
-        hidden=torch.randn(2, 3, 8),
-        weight=torch.randn(11, 8),
-        completion_ids=torch.randint(0, 11, (2, 3)),
-        advantages=torch.randn(2),
-    )
+    return {
+        "hidden": torch.randn(2, 3, 8),
+        "weight": torch.randn(11, 8),
+        "completion_ids": torch.randint(0, 11, (2, 3)),
+        "advantages": torch.randn(2),
+    }
 
 
 BAD = [
-    (dict(hidden=torch.randn(6, 8)), ValueError, "hidden must be 3-D"),
-    (dict(hidden=torch.randn(2, 3, 8).to(torch.float8_e4m3fn)), TypeError, "hidden must be float32"),
-    (dict(hidden=torch.randn(2, 0, 8)), ValueError, "hidden must have B, T, H >= 1"),
-    (dict(weight=torch.randn(11, 9)), ValueError, "weight must have shape (V, 8)"),
-    (dict(weight=torch.randn(11, 8).bfloat16()), TypeError, "weight and hidden must have the same dtype"),
-    (dict(weight=[[0.0] * 8]), TypeError, "weight must be a torch.Tensor"),
-    (dict(bias=torch.randn(10)), ValueError, "bias must have shape (11,)"),
-    (dict(bias=torch.ones(11, dtype=torch.long)), TypeError, "bias must be a floating-point"),
-    (dict(completion_ids=torch.full((2, 3), 11), check_inputs=True), ValueError, "completion_ids must lie in [0, 11)"),
-    (dict(advantages=torch.randn(3)), ValueError, "advantages must have shape"),
-    (dict(beta=0.1), ValueError, "ref_logp is required when beta != 0"),
-    (dict(inplace_backward=True), TypeError, "unknown option(s) ['inplace_backward']"),
-    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    ({"hidden": torch.randn(6, 8)}, ValueError, "hidden must be 3-D"),
+    ({"hidden": torch.randn(2, 3, 8).to(torch.float8_e4m3fn)}, TypeError, "hidden must be float32"),
+    ({"hidden": torch.randn(2, 0, 8)}, ValueError, "hidden must have B, T, H >= 1"),
+    ({"weight": torch.randn(11, 9)}, ValueError, "weight must have shape (V, 8)"),
+    ({"weight": torch.randn(11, 8).bfloat16()}, TypeError, "weight and hidden must have the same dtype"),
+    ({"weight": [[0.0] * 8]}, TypeError, "weight must be a torch.Tensor"),
+    ({"bias": torch.randn(10)}, ValueError, "bias must have shape (11,)"),
+    ({"bias": torch.ones(11, dtype=torch.long)}, TypeError, "bias must be a floating-point"),
+    (
+        {"completion_ids": torch.full((2, 3), 11), "check_inputs": True},
+        ValueError,
+        "completion_ids must lie in [0, 11)",
+    ),
+    ({"advantages": torch.randn(3)}, ValueError, "advantages must have shape"),
+    ({"beta": 0.1}, ValueError, "ref_logp is required when beta != 0"),
+    ({"inplace_backward": True}, TypeError, "unknown option(s) ['inplace_backward']"),
+    ({"backend": "cuda"}, ValueError, "backend must be one of"),
 ]
 
 
@@ -425,9 +440,9 @@ def test_bad_input_names_the_argument(changes, error, fragment):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_production_tiles(dtype, monkeypatch):
-    for mod, (tile, v_min) in PRODUCTION_TILES.items():
-        monkeypatch.setattr(mod, "TILE_ELEMENTS", tile)
-        monkeypatch.setattr(mod, "MIN_VOCAB_TILE", v_min)
+    for tiles, tile, v_min in PRODUCTION_TILES:
+        monkeypatch.setattr(tiles, "tile_elements", tile)
+        monkeypatch.setattr(tiles, "min_vocab_tile", v_min)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 here
     # 8 x 512 tokens, H = 1000 (not a power of two), V = 131079 (odd): 2 row-blocks' worth of 8192-wide tiles.
     b, t, h, v = 8, 512, 1000, 131079
@@ -436,10 +451,13 @@ def test_gpu_production_tiles(dtype, monkeypatch):
     weight = (torch.randn(v, h, device="cuda", generator=gen) * 3 / math.sqrt(h)).to(dtype)
     ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
     mask = (torch.arange(t, device="cuda") < torch.randint(1, t + 1, (b, 1), device="cuda", generator=gen)).float()
-    tensors = dict(
-        advantages=torch.randn(b, device="cuda", generator=gen), completion_mask=mask, old_logp=None, ref_logp=None
-    )
-    options = dict(loss_type="dapo", entropy_coef=0.01)
+    tensors = {
+        "advantages": torch.randn(b, device="cuda", generator=gen),
+        "completion_mask": mask,
+        "old_logp": None,
+        "ref_logp": None,
+    }
+    options = {"loss_type": "dapo", "entropy_coef": 0.01}
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

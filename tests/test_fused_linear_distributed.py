@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo_kernels import fused_linear_grpo_loss
-from grpo_kernels.ops import linear_torch, linear_triton
+from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss
 
 from .conftest import needs_triton_cpu
@@ -83,8 +83,8 @@ def _spawn(fn, world: int, *args) -> list:
 
 def _small_tiles() -> None:
     # several vocabulary tiles per shard, and rows in more than one block: every loop edge of both passes
-    for mod in (linear_torch, linear_triton):
-        mod.TILE_ELEMENTS, mod.MIN_VOCAB_TILE = 64, 8
+    for tiles in (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND):
+        tiles.tile_elements, tiles.min_vocab_tile = 64, 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,8 +108,17 @@ def _vocab_rank(rank: int, world: int, store: str, results: str, data_parts: int
             w = weight[block].clone().requires_grad_(True)
             b = bias[block].clone().requires_grad_(True)
             out = fused_linear_grpo_loss(
-                x, w, ids[rows], adv[rows], mask[rows], old[rows], ref[rows], bias=b, backend=backend,
-                vocab_parallel_group=vocab_groups[d], data_parallel_group=data_groups[v] if data_parts > 1 else None,
+                x,
+                w,
+                ids[rows],
+                adv[rows],
+                mask[rows],
+                old[rows],
+                ref[rows],
+                bias=b,
+                backend=backend,
+                vocab_parallel_group=vocab_groups[d],
+                data_parallel_group=data_groups[v] if data_parts > 1 else None,
                 **options,
             )
             out.loss.backward()

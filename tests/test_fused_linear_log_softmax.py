@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo_kernels import fused_linear_log_softmax, grpo_loss
-from grpo_kernels.ops import linear_torch, linear_triton
+from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss, reference_selective_log_softmax
 
 from .conftest import needs_triton_cpu
@@ -27,9 +27,9 @@ TAU = 0.7
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    for mod in (linear_torch, linear_triton):
-        monkeypatch.setattr(mod, "TILE_ELEMENTS", 1280)  # 12 rows in blocks of 10 and 2
-        monkeypatch.setattr(mod, "MIN_VOCAB_TILE", 128)
+    for tiles in (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND):
+        monkeypatch.setattr(tiles, "tile_elements", 1280)  # 12 rows in blocks of 10 and 2
+        monkeypatch.setattr(tiles, "min_vocab_tile", 128)
 
 
 def make_inputs(seed=0, dtype=torch.float32, bias=True):
@@ -128,15 +128,15 @@ def test_never_materializes_the_logits(monkeypatch):
 @pytest.mark.parametrize(
     ("changes", "error", "fragment"),
     [
-        (dict(weight=torch.randn(V, H + 1)), ValueError, "weight must have shape"),
-        (dict(weight=torch.randn(V, H, dtype=torch.float64)), TypeError, "weight and hidden must have the same dtype"),
-        (dict(ids=torch.full((B, T), V), check_inputs=True), ValueError, "completion_ids must lie in"),
-        (dict(temperature=0.0), ValueError, "temperature must be > 0"),
-        (dict(bias=torch.randn(V + 1)), ValueError, "bias must have shape"),
+        ({"weight": torch.randn(V, H + 1)}, ValueError, "weight must have shape"),
+        ({"weight": torch.randn(V, H, dtype=torch.float64)}, TypeError, "weight and hidden must have the same dtype"),
+        ({"ids": torch.full((B, T), V), "check_inputs": True}, ValueError, "completion_ids must lie in"),
+        ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
+        ({"bias": torch.randn(V + 1)}, ValueError, "bias must have shape"),
     ],
 )
 def test_bad_input_names_the_argument(changes, error, fragment):
-    args = dict(hidden=torch.randn(B, T, H), weight=torch.randn(V, H), ids=torch.zeros(B, T, dtype=torch.long))
+    args = {"hidden": torch.randn(B, T, H), "weight": torch.randn(V, H), "ids": torch.zeros(B, T, dtype=torch.long)}
     args.update(changes)
     with pytest.raises(error, match=fragment):
         fused_linear_log_softmax(args.pop("hidden"), args.pop("weight"), args.pop("ids"), **args)
@@ -152,8 +152,8 @@ def _rank(rank: int, world: int, store: str, results: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        for mod in (linear_torch, linear_triton):
-            mod.TILE_ELEMENTS, mod.MIN_VOCAB_TILE = 64, 8  # several tiles per shard
+        for tiles in (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND):
+            tiles.tile_elements, tiles.min_vocab_tile = 64, 8  # several tiles per shard
         hidden, weight, bias, ids, upstream = make_inputs(seed=5)
         block = slice(0, 161) if rank == 0 else slice(161, V)  # uneven shards; the padded rows all on rank 1
         x = hidden.clone().requires_grad_(True)
@@ -189,9 +189,7 @@ def _rank(rank: int, world: int, store: str, results: str) -> None:
 
 def test_vocab_parallel_and_fsdp2_equal_the_unsharded_oracle():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _rank, args=(2, os.path.join(tmp, "store"), tmp), nprocs=2, join=True, start_method="spawn"
-        )
+        mp.start_processes(_rank, args=(2, os.path.join(tmp, "store"), tmp), nprocs=2, join=True, start_method="spawn")
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     hidden, weight, bias, ids, upstream = make_inputs(seed=5)
     ref_logp, ref_entropy, (dx, dw, db) = oracle(hidden, weight, bias, ids, upstream)

@@ -11,7 +11,7 @@ from reference import reference_grpo_loss
 from .oracle_check import TOLERANCES, assert_close, assert_grad_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-KERNELS = (triton_logits.row_stats_fwd_kernel, triton_logits.row_stats_bwd_kernel, triton_logits.fused_token_grad_fwd_kernel)
+KERNELS = (triton_logits.row_stats_fwd_kernel, triton_logits.row_grad_kernel, triton_logits.fused_token_grad_fwd_kernel)
 
 
 def _jit(kernel):

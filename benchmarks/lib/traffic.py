@@ -126,7 +126,7 @@ def _measure(dtype_name: str, vocab: int, tokens: int, device: str, reps: int, w
         "advantages": torch.randn(batch, 1, generator=gen, device=device).expand(batch, length),
         "old_logp": logp + 0.2 * torch.randn(batch, length, generator=gen, device=device),
         "ref_logp": logp + 0.1 * torch.randn(batch, length, generator=gen, device=device),
-        "is_ratio": None,
+        "rho": None,
         "weight": mask / mask.sum(),
         "entropy_weight": None,
         "cfg": Workload().config(),  # the headline's loss: dapo with a KL term, the one-read fused pass

@@ -196,8 +196,10 @@ static ALWAYS_INLINE void vstore_f16(half *p, vf v) {
 #endif
 
 /* ------------------------------------------------------------------------------------------------------------ */
-/* The per-token coefficient g = ∂loss/∂ℓ of w·(ρ·L + β·kl), as the Triton kernel's _token_coef: autograd's tie
- * rules (clamp passes the gradient on the closed interval, min splits ties); a NaN ratio stays NaN. */
+/* The per-token coefficient g = ∂loss/∂ℓ of w·(ρ·L + β·kl): one of three copies, with loss_math.per_token_terms
+ * (the definition) and triton_logits._token_coef (ops/coef.py manages the set; the scalars of Coef come in the order
+ * of its FLOAT_FIELDS). Autograd's tie rules (clamp passes the gradient on the closed interval, min splits ties); a
+ * NaN ratio stays NaN. */
 
 typedef struct {
     const float *adv, *old, *ref, *rho, *w, *hw; /* [B·T] each, contiguous; old, ref, rho, hw may be NULL */
@@ -297,7 +299,7 @@ typedef struct {
 #undef VSTORE
 
 /* ------------------------------------------------------------------------------------------------------------ */
-/* The fused-linear folds (ops/linear_torch.py): one fp32 tile z [R, Vt] of x @ W_tileᵀ + b, before the 1/τ. */
+/* The fused-linear folds (ops/linear_folds_torch.py): one fp32 tile z [R, Vt] of x @ W_tileᵀ + b, before the 1/τ. */
 
 typedef struct {
     float *z; /* [R, Vt] contiguous; overwritten by dz in fold_grad */
@@ -308,7 +310,7 @@ typedef struct {
     const float *lse, *mean_z, *g, *h;         /* fold_grad; mean_z and h may be NULL */
 } Tile;
 
-/* Σ e and Σ e·z' over one tile row, z' = z·k − shift (the order of linear_torch's fold: scale, then shift). */
+/* Σ e and Σ e·z' over one tile row, z' = z·k − shift (the order of the torch fold: scale, then shift). */
 static ALWAYS_INLINE void tile_sums(const float *z, int64_t n, float k, float shift, double *s_out, double *t_out) {
     double s = 0.0, t = 0.0;
     vf vshift = vf_splat(shift), vk = vf_splat(k);

@@ -6,7 +6,8 @@
  *   VLOAD(p), VSTORE(p, v)   the same for LANES consecutive elements (a vf)
  * Every function here handles rows [r0, r1) of a (B, T, V) tensor on the calling thread; cpu_rows.c spreads rows
  * over threads. A row is read once for its maximum and once for its sums (the second read comes from L2), and the
- * gradient pass reads it a third time while it is still in L2 when it follows the statistics (fused_rows). */
+ * gradient pass reads it a third time while it is still in L2 when it follows the statistics (fused_rows, which
+ * forms the per-token coefficient in between with cpu_rows.c's token_coef: see ops/coef.py for its other copies). */
 
 /* Largest element of row[0, n); NaNs are skipped here and reach the sums instead, which they poison. */
 static ALWAYS_INLINE float CAT(row_max_, SFX)(const ELEM *row, int64_t n) {
@@ -109,7 +110,7 @@ static ALWAYS_INLINE void CAT(row_zero_store_, SFX)(ELEM *orow, int64_t V) {
 /* (logp, entropy, state = (shift, log Σe, 1 − p_y)) of one row; sets *log_sum_out, *q, *c = Σ p·z. ℓ is formed in
  * float64 from the target's own z_y and e_y in float64 and the double sum of the other tokens' fp32 exponentials:
  * exact to that sum's rounding (a few 1e-8 absolute) for any |ℓ|, where an fp32 ℓ or log Σe of size 10 carries
- * 5e-7 (ops/rows.py, "ℓ in float64"). */
+ * 5e-7 (ops/backend.py, "ℓ in float64"). */
 static ALWAYS_INLINE void CAT(row_stats_one_, SFX)(const ELEM *row, int64_t V, int64_t y, float k, double k64,
                                                    float *shift_out, double *logp, float *ent, float *log_sum_out,
                                                    float *q_out, float *c_out) {

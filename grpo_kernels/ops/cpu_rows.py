@@ -3,10 +3,14 @@
 One call reads each row once for its maximum and once for its sums, and (for the gradient) once more while it is
 still in L2, with rows spread over `torch.get_num_threads()` threads and the vocabulary in SIMD lanes. The
 extension is built by `pip install` (C compiler and Python headers only); where it is missing, `available()` is
-False, api.py falls back to the chunked torch rows with one warning, and so do these functions. Setting
+False and `dispatch.pick_backend` picks the chunked torch rows instead, with one warning (`warn_unavailable`);
+`row_stats`, `row_grad` and `shard_partials` here fall back to them too, `fused_token_grad` raises. Setting
 GRPO_KERNELS_CPU_ROWS=0 turns the extension off (to compare the two paths).
 
-The row state is the shared layout of ops/rows.py, [B, T, 4] = (row max, log Σe, 1 − p_y, Σ p·z'); the kernels
+`fused_token_grad` forms the per-token coefficient in C (`token_coef` in csrc/cpu_rows.c), one of three copies
+with `loss_math.per_token_terms` and `triton_logits._token_coef`; ops/coef.py lays out the scalars it passes.
+
+The row state is the shared layout of ops/backend.py, [B, T, 4] = (row max, log Σe, 1 − p_y, Σ p·z'); the kernels
 write the first three columns (the max replaced by 0 for a row that is all −inf) and H, and Σ p·z' = log Σe − H.
 Precision rules as torch_rows: logits taken relative to the raw row max, 1 − p_y summed over the other tokens,
 H = log Σe − Σ e·z / Σe. The launchers check every shape, dtype and stride they hand the C code as a raw pointer:
@@ -17,14 +21,17 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from typing import Any
-
 from ..config import LossConfig
 from . import torch_rows
-from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, empty_row_state
+from .backend import ROW_STATE_WIDTH, empty_row_state
+from .coef import FUSED_LOSS_CODES, coef_flags, coef_scalars
+
+if TYPE_CHECKING:
+    from .linear_tiles import GradRows, RowStats
 
 try:
     from .. import _cpu_rows as _ext
@@ -149,9 +156,9 @@ def _head(logits: torch.Tensor, ids: torch.Tensor) -> tuple:
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp [B, T] float64 (ops/rows.py, "ℓ in float64"), entropy [B, T] float32,
-    row_state [B, T, 4] in the layout of ops/rows.py."""
-    batch, length, vocab = _check_rows(logits, ids)
+    """(logp, entropy, row_state): logp [B, T] float64 (ops/backend.py, "ℓ in float64"), entropy [B, T] float32,
+    row_state [B, T, 4] in the layout of ops/backend.py."""
+    batch, length, _ = _check_rows(logits, ids)
     if not _supported(logits):
         return torch_rows.row_stats(logits, ids, temperature)
     logp = torch.empty(batch, length, dtype=torch.float64)
@@ -179,7 +186,7 @@ def row_grad(
 ) -> None:
     """out = (g·(onehot − p) − h·p·(z − Σ p·z)) / τ, as torch_rows.row_grad; `out` may be `logits` itself. An id
     outside [0, V) (a target in another vocabulary shard, negative included) contributes no one-hot."""
-    batch, length, vocab = _check_rows(logits, ids)
+    batch, length, _ = _check_rows(logits, ids)
     _check_out(out, logits)
     if not _supported(logits):
         return torch_rows.row_grad(logits, ids, row_state, g, h, temperature, out)
@@ -203,7 +210,7 @@ def row_grad(
 def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, temperature: float) -> torch.Tensor:
     """[B, T, 5] float32 partials of one vocabulary shard, as torch_rows.shard_partials: (raw max m, Σ e,
     Σ e·z', raw target logit or −inf, Σ_{v≠y} e), e = exp(z'), z' = (x − m)/τ; `ids` are global."""
-    batch, length, vocab = _check_rows(logits, ids)
+    batch, length, _ = _check_rows(logits, ids)
     if not _supported(logits):
         return torch_rows.shard_partials(logits, ids, offset, temperature)
     parts = torch.empty(batch, length, 5, dtype=torch.float32)
@@ -220,7 +227,7 @@ def fused_token_grad(
     advantages: torch.Tensor,
     old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None,
-    is_ratio: torch.Tensor | None,
+    rho: torch.Tensor | None,
     weight: torch.Tensor,
     entropy_weight: torch.Tensor | None,
     cfg: LossConfig,
@@ -230,7 +237,7 @@ def fused_token_grad(
     triton_logits.fused_token_grad: loss = Σ w·(ρ·L + β·kl) + Σ entropy_weight·H; `out` may be `logits`). logp is
     float64 (as row_stats) and g is formed from it; a row with weight 0 and entropy weight 0 gets exact
     zeros, its logits unread."""
-    batch, length, vocab = _check_rows(logits, ids)
+    batch, length, _ = _check_rows(logits, ids)
     if cfg.is_sequence_level or cfg.loss_type not in FUSED_LOSS_CODES:
         raise ValueError(
             f"fused_token_grad handles token-level options only (loss_type in {tuple(FUSED_LOSS_CODES)}, no sequence-level "
@@ -247,7 +254,7 @@ def fused_token_grad(
     per_token = {
         name: _check_bt(name, x, batch, length)
         for name, x in (
-            ("advantages", advantages), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_ratio", is_ratio),
+            ("advantages", advantages), ("old_logp", old_logp), ("ref_logp", ref_logp), ("rho", rho),
             ("weight", weight), ("entropy_weight", entropy_weight),
         )
     }  # fmt: skip
@@ -259,20 +266,18 @@ def fused_token_grad(
     _ext.fused(
         *_head(logits, flat), 1.0 / temperature, 1.0 / temperature, out.data_ptr(), out.stride(0), out.stride(1),
         logp.data_ptr(), entropy.data_ptr(), *(_ptr(x) for x in per_token.values()),
-        FUSED_LOSS_CODES[cfg.loss_type], cfg.delta is not None, cfg.use_bias_correction_kl,
-        1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
-        cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, _threads(logits.numel()),
+        *coef_flags(cfg).values(), *coef_scalars(cfg).values(), _threads(logits.numel()),
     )  # fmt: skip
     return logp, entropy
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The fused-linear folds (linear_torch's interface, on one fp32 tile of x @ Wᵀ + b)
+# The fused-linear folds (ops/linear_tiles.py's interface, on one fp32 tile of x @ Wᵀ + b)
 
 
-def fold_stats(z: torch.Tensor, ids: torch.Tensor, v0: int, inv_t: float, st: Any) -> bool:
-    """linear_torch.fold_stats_torch in one pass over the tile (`st` a linear_torch.RowStats); False, touching
-    nothing, where the extension or the tile's layout does not allow it (the caller then runs the torch fold)."""
+def fold_stats(z: torch.Tensor, ids: torch.Tensor, v0: int, inv_t: float, st: RowStats) -> bool:
+    """linear_folds_torch.fold_stats_torch in one pass over the tile; False, touching nothing, where the extension
+    or the tile's layout does not allow it (the caller then runs the torch fold)."""
     if not (available() and z.dtype == torch.float32 and z.is_contiguous() and ids.is_contiguous()):
         return False
     rows, cols = z.shape
@@ -284,19 +289,10 @@ def fold_stats(z: torch.Tensor, ids: torch.Tensor, v0: int, inv_t: float, st: An
     return True
 
 
-def fold_grad(
-    z: torch.Tensor,
-    ids: torch.Tensor,
-    v0: int,
-    inv_t: float,
-    lse: torch.Tensor,
-    mean_z: torch.Tensor | None,
-    g: torch.Tensor,
-    h: torch.Tensor | None,
-    grad_dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """linear_torch.fold_grad_torch in one pass, written over the tile z itself (the caller drops z after); None,
-    touching nothing, where the extension or the tile's layout does not allow it."""
+def fold_grad(z: torch.Tensor, v0: int, inv_t: float, rows: GradRows, grad_dtype: torch.dtype) -> torch.Tensor | None:
+    """linear_folds_torch.fold_grad_torch in one pass, written over the tile z itself (the caller drops z after);
+    None, touching nothing, where the extension or the tile's layout does not allow it."""
+    ids, lse, mean_z, g, h = rows.ids, rows.lse, rows.mean_z, rows.g, rows.h
     inputs = [x for x in (ids, lse, mean_z, g, h) if x is not None]
     if not (available() and z.dtype == grad_dtype == torch.float32 and z.is_contiguous()) or any(
         not x.is_contiguous() for x in inputs
@@ -304,7 +300,7 @@ def fold_grad(
         return None
     if ids.dtype != torch.int64 or any(x.dtype != torch.float32 for x in (lse, g, mean_z, h) if x is not None):
         return None
-    rows, cols = z.shape
-    _ext.fold_grad(z.data_ptr(), rows, cols, ids.data_ptr(), v0, inv_t, lse.data_ptr(), _ptr(mean_z), g.data_ptr(),
+    n_rows, cols = z.shape
+    _ext.fold_grad(z.data_ptr(), n_rows, cols, ids.data_ptr(), v0, inv_t, lse.data_ptr(), _ptr(mean_z), g.data_ptr(),
                    _ptr(h), _threads(z.numel()))  # fmt: skip
     return z

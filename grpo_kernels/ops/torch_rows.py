@@ -1,7 +1,7 @@
 """The CPU path: the row kernels' algorithm in chunked PyTorch, for machines without Triton on the device.
 
 At most one chunk of rows (about `CHUNK_ELEMENTS` elements) exists as float32 vocabulary-wide temporaries at a
-time; the only full-size allocation is the gradient, in the logits' dtype. A `RowBackend` (ops/rows.py) without
+time; the only full-size allocation is the gradient, in the logits' dtype. A `RowBackend` (ops/backend.py) without
 the one-read fused pass: the loss runs `row_stats`, the objective, then `row_grad`.
 
 Precision: everything is taken relative to the row's raw maximum, z' = (x − max x) / τ, so that logits of size
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .rows import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, logp_from_sums, stats_dtype
+from .backend import SHARD_PARTIALS_WIDTH, FusedTokenGrad, empty_row_state, logp_from_sums, stats_dtype
 
 # 4 Mi float32 elements = 16 MiB per temporary: big enough to amortize op overhead on a CPU, small next to the
 # logits (a 4096 x 32000 batch is 131 Mi elements).
@@ -44,8 +44,8 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torc
 def row_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, row_state): logp [B, T] float64 (ops/rows.py, "ℓ in float64"), entropy [B, T] float32
-    (float64 for float64 logits); row_state [B, T, 4] in the layout of ops/rows.py."""
+    """(logp, entropy, row_state): logp [B, T] float64 (ops/backend.py, "ℓ in float64"), entropy [B, T] float32
+    (float64 for float64 logits); row_state [B, T, 4] in the layout of ops/backend.py."""
     batch, length, vocab = logits.shape
     dtype = stats_dtype(logits.dtype)
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)

@@ -2,12 +2,14 @@
 
 One program walks one row of V logits in BLOCK_V tiles with an online (max, Σe, Σe·z) recurrence in fp32; the
 fused kernel then forms the per-token GRPO coefficient in registers and re-reads the row (from L2) to write the
-gradient. A `RowBackend` (ops/rows.py) with the one-read fused pass; the kernels work in log2 units (exp2), the launchers
-convert the row state to the shared natural-log layout.
+gradient. A `RowBackend` (ops/backend.py) with the one-read fused pass; the kernels work in log2 units (exp2), the
+launchers convert the row state to the shared natural-log layout.
 
-The per-token objective of the token-level losses is written a second time here, in registers (`_token_coef`):
-the one justified copy of loss_math's math, because the fused pass must form g = ∂loss/∂ℓ between its two reads
-of a row. tests/ops/test_triton_rows.py holds it to the float64 oracle in reference/.
+The per-token coefficient of the token-level losses is written here in registers (`_token_coef`), because the fused
+pass must form g = ∂loss/∂ℓ between its two reads of a row: one of three copies, with `loss_math.per_token_terms`
+and `token_coef` in csrc/cpu_rows.c (ops/coef.py manages the set and lays out the scalars the kernel takes).
+tests/ops/test_triton_rows.py holds the kernels to the float64 oracle in reference/, tests/ops/test_token_coef.py
+the three copies to loss_math.
 
 Over 400 lines on purpose: one file per algorithm (the logits path), its four kernels sharing the row scan and the
 gradient store, next to the launchers that size their grids.
@@ -31,7 +33,8 @@ import triton
 import triton.language as tl
 
 from ..config import LossConfig
-from .rows import FUSED_LOSS_CODES, ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
+from .backend import ROW_STATE_WIDTH, SHARD_PARTIALS_WIDTH, empty_row_state
+from .coef import coef_flags, coef_scalars
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
@@ -409,7 +412,7 @@ def row_stats_fwd_kernel(
         "stride_gb", "stride_gt", "stride_hb", "stride_ht",
     ]
 )  # fmt: skip
-def row_stats_bwd_kernel(
+def row_grad_kernel(
     x_ptr,  # [B, T, V] logits
     y_ptr,  # [B, T] ids
     state_ptr,  # [B, T, 4] from row_stats_fwd_kernel
@@ -560,7 +563,7 @@ def _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo):
 
 @triton.jit
 def _exact_logp(p_x, y, b_mx, b_so, inv_tau, inv_tau_lo):
-    """ℓ in fp64 (ops/rows.py, "ℓ in float64"): z'_y = (x_y − m)/τ and e_y = exp(z'_y) from the raw target logit
+    """ℓ in fp64 (ops/backend.py, "ℓ in float64"): z'_y = (x_y − m)/τ and e_y = exp(z'_y) from the raw target logit
     (one scalar load, the row is in cache) and the raw max m, then ℓ = z'_y − log(Σ_{v≠y} e + e_y). Exact to the
     rounding of the fp32 sum `b_so` of the other tokens (a few 1e-8 absolute) for any |ℓ|; near ℓ = 0 (a peaked row)
     the fp64 log keeps 1e-16 absolute. 1/τ = inv_tau + inv_tau_lo."""
@@ -577,8 +580,8 @@ def _exact_logp_from_log2s(p_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo):
     return b_zy - tl.cast(b_log2s, tl.float64) * 0.6931471805599453
 
 
-# The one justified copy of the per-token objective outside loss_math (see the module docstring): the token-level
-# subset, in registers, for the one-read fused pass. Any change to loss_math's token-level math must be made here too.
+# One of the coefficient's three copies (ops/coef.py): loss_math.per_token_terms defines it, token_coef in
+# csrc/cpu_rows.c is the C one. Any change to loss_math's token-level math is made in all three.
 @triton.jit
 def _token_coef(
     b_lp,
@@ -995,7 +998,7 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The launchers: the RowBackend interface (ops/rows.py)
+# The launchers: the RowBackend interface (ops/backend.py)
 
 
 def row_stats(
@@ -1009,8 +1012,9 @@ def row_stats(
         temperature: τ > 0.
     Returns:
         (logp, entropy, row_state): logp = z_y − logsumexp(z), [B, T] float64 (`_exact_logp`), and entropy =
-        lse − Σ softmax(z)·z, [B, T] float32, with z = logits/τ; row_state [B, T, 4] float32 in the shared layout of ops/rows.py (m, log Σe, 1 − p_y,
-        Σ p·z'). An fp32 lse alone cannot give exact probabilities for large logits, hence the wider state.
+        lse − Σ softmax(z)·z, [B, T] float32, with z = logits/τ; row_state [B, T, 4] float32 in the shared layout
+        of ops/backend.py (m, log Σe, 1 − p_y, Σ p·z'). An fp32 lse alone cannot give exact probabilities for large
+        logits, hence the wider state.
 
     Example:
         >>> logp, entropy, state = row_stats(logits, ids, 1.0)
@@ -1077,7 +1081,7 @@ def row_grad(
     rows = batch * length
     block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out))
     grid = (_num_programs(rows, logits, False),)  # one read per row
-    row_stats_bwd_kernel[grid](
+    row_grad_kernel[grid](
         logits, ids, kernel_state, g, h, out, rows, length, vocab,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
         *_strides(g), *_strides(h),
@@ -1094,7 +1098,7 @@ def fused_token_grad(
     advantages: torch.Tensor,
     old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None,
-    is_ratio: torch.Tensor | None,
+    rho: torch.Tensor | None,
     weight: torch.Tensor,
     entropy_weight: torch.Tensor | None,
     cfg: LossConfig,
@@ -1109,12 +1113,12 @@ def fused_token_grad(
         advantages, weight: [B, T] float32 (broadcast views with stride 0 are read in place).
         old_logp: [B, T] or None (None: ℓ_old = sg(ℓ), ratio exactly 1).
         ref_logp: [B, T], given iff cfg.beta != 0 (None at β = 0, so an inf there cannot become 0·inf).
-        is_ratio: [B, T] ρ or None. entropy_weight: [B, T] or None.
+        rho: [B, T] ρ, the importance-sampling ratio, or None. entropy_weight: [B, T] or None.
         out: [B, T, V] in the logits' dtype; may be `logits` itself.
     Returns:
         (logp, entropy): logp [B, T] float64 (`_exact_logp_from_log2s`), entropy [B, T] float32.
     """
-    batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight)
+    batch, length, vocab = _assert_rows(logits, ids, advantages, old_logp, ref_logp, rho, weight, entropy_weight)
     assert cfg.is_fused and (ref_logp is not None) == (cfg.beta != 0.0), (cfg, ref_logp is None)
     _assert_out(out, logits)
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
@@ -1123,16 +1127,15 @@ def fused_token_grad(
     block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out))
     grid = (_num_programs(rows, logits, True, num_warps),)
     inv_tau = float(np.float32(1.0 / temperature))
+    flags = coef_flags(cfg)
     fused_token_grad_fwd_kernel[grid](
-        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, is_ratio, weight, entropy_weight,
+        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, rho, weight, entropy_weight,
         rows, length, vocab,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
-        *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(is_ratio),
+        *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(rho),
         *_strides(weight), *_strides(entropy_weight),
-        LOG2E / temperature, inv_tau, 1.0 / temperature - inv_tau,
-        1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high, 0.0 if cfg.delta is None else cfg.delta, cfg.epsilon_high,
-        cfg.beta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
-        LOSS=FUSED_LOSS_CODES[cfg.loss_type], HAS_DELTA=cfg.delta is not None, BIAS_KL=cfg.use_bias_correction_kl,
+        LOG2E / temperature, inv_tau, 1.0 / temperature - inv_tau, *coef_scalars(cfg).values(),
+        LOSS=flags.loss, HAS_DELTA=flags.has_delta, BIAS_KL=flags.bias_kl,
         BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     return logp, entropy

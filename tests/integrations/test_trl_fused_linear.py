@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 import grpo_kernels.integrations.trl as fused_trl
 import grpo_kernels.integrations.trl_fused_linear as fused_linear_mode
 from grpo_kernels.integrations.trl import FusedGRPOTrainer, patch_grpo_trainer
-from grpo_kernels.ops import linear_torch
+from grpo_kernels.ops import linear_folds_torch
 
 from . import save_tiny_model
 from .test_trl_parity import ALL_OPTIONS, MAPPING, B, T, assert_same, loss_grads_metrics, make_inputs, make_trainer
@@ -325,8 +325,8 @@ class LargestFloatTensor(TorchDispatchMode):
 
 def test_no_logits_sized_tensor(wide_vocab_model_dir, tmp_path, monkeypatch):
     # Vocabulary tiles of 128 columns (the production tile would span this small vocabulary whole)
-    monkeypatch.setattr(linear_torch, "TILE_ELEMENTS", 4096)
-    monkeypatch.setattr(linear_torch, "MIN_VOCAB_TILE", 128)
+    monkeypatch.setattr(linear_folds_torch.BACKEND, "tile_elements", 4096)
+    monkeypatch.setattr(linear_folds_torch.BACKEND, "min_vocab_tile", 128)
     trainer = make_trainer(FusedLinearTrainer, wide_vocab_model_dir, tmp_path, loss_type="grpo", beta=0.04)
     trainer.model.train()
     vocab, width = trainer.model.lm_head.weight.shape

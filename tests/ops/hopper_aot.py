@@ -58,7 +58,7 @@ def main_configs(vocab: int, dtype: str) -> list[dict]:
     every clipped-loss option on."""
     return [
         config("stats", "row_stats_fwd_kernel", dtype, vocab, {"ALIGNED": True}),
-        config("grad+H", "row_stats_bwd_kernel", dtype, vocab, {"HAS_ENT": True, "ALIGNED": True}),
+        config("grad+H", "row_grad_kernel", dtype, vocab, {"HAS_ENT": True, "ALIGNED": True}),
         config(
             "fused clip all",
             "fused_token_grad_fwd_kernel",

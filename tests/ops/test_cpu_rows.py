@@ -1,5 +1,6 @@
-"""The fused C rows (ops/cpu_rows.py) against the chunked torch rows and the float64 oracle, and the fallback when
-the extension is missing. The hypothesis tests of tests/test_torch_path.py run on both paths (its `cpu_path`)."""
+"""The fused C rows (ops/cpu_rows.py) and the C folds of the fused-linear tiles against the float64 oracle
+(reference/), and the fallback when the extension is missing. The hypothesis tests of tests/test_torch_path.py run
+on both CPU paths (its `cpu_path`)."""
 
 import math
 import os
@@ -13,10 +14,13 @@ import torch
 
 from grpo_kernels import grpo_loss
 from grpo_kernels.dispatch import pick_backend
-from grpo_kernels.ops import cpu_rows, linear_torch, torch_rows
+from grpo_kernels.ops import cpu_rows, torch_rows
+from grpo_kernels.ops.linear_tiles import GradRows, RowStats
+from grpo_kernels.vocab_parallel import merge_partials
 from reference import reference_selective_log_softmax
 
 from ..oracle_check import TOLERANCES, assert_close
+from .row_oracle import check_grad, check_stats, exact_grad, exact_rows
 
 pytestmark = [
     pytest.mark.usefixtures("nan_empty"),
@@ -34,52 +38,51 @@ def _logits(batch, length, vocab, dtype, seed=0, scale=3.0):
     return full[:, 1:-1], ids, gen
 
 
-def _grad_tol(dtype):
-    return 2e-6 if dtype == torch.float32 else 0.0
-
-
-def _assert_same_grad(ours, theirs, dtype):
-    """fp32: within 2e-6 of the largest element (two fp32 computations of one formula); bf16/fp16: each element
-    within one ulp of the storage dtype (the two round the same fp32 value up to its last bits)."""
-    ours, theirs = ours.double(), theirs.double()
-    assert torch.equal(ours.isnan(), theirs.isnan())
-    if dtype == torch.float32:
-        assert (ours - theirs).abs().max() <= 2e-6 * max(theirs.abs().max().item(), 1e-30)
-    else:
-        from ..oracle_check import ulp
-
-        assert ((ours - theirs).abs() <= ulp(theirs, dtype) + 1e-30).all()
+def _check_state(state, entropy, x):
+    """The row state is the shared layout of ops/backend.py: the raw row max, and H = log Σe − Σ p·z'."""
+    finite = torch.isfinite(entropy)
+    assert torch.equal(state[..., 0][finite], x.float().amax(-1)[finite])
+    assert_close("H from the state", (state[..., 1] - state[..., 3])[finite], entropy[finite], 1e-6, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 31, 1500])  # one column; odd; several SUM_BLOCKs per row
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_stats_and_grad_match_torch_rows(dtype, vocab, temperature):
+def test_stats_and_grad_match_the_oracle(dtype, vocab, temperature):
     x, ids, gen = _logits(3, 5, vocab, dtype)
-    ours, theirs = cpu_rows.row_stats(x, ids, temperature), torch_rows.row_stats(x, ids, temperature)
-    for name, a, b in zip(("logp", "entropy", "state"), ours, theirs):
-        assert_close(name, a, b, 1e-5, 1e-6)
+    exact_lp, exact_h, graph = exact_rows(x, ids, temperature)
+    logp, entropy, state = cpu_rows.row_stats(x, ids, temperature)
+    check_stats("logp", logp, exact_lp, dtype)
+    check_stats("entropy", entropy, exact_h, dtype)
+    _check_state(state, entropy, x)
     g, h = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
     for hh in (None, h):
-        a, b = torch.empty_like(x), torch.empty_like(x)
-        cpu_rows.row_grad(x, ids, ours[2], g, hh, temperature, a)
-        torch_rows.row_grad(x, ids, theirs[2], g, hh, temperature, b)
-        _assert_same_grad(a, b, dtype)
+        out = torch.empty_like(x)
+        cpu_rows.row_grad(x, ids, state, g, hh, temperature, out)
+        check_grad(out, exact_grad(graph, g, hh), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("offset", [0, 4, -3, 40])  # the shard holds all, some or none of the targets
-def test_shard_partials_and_shard_gradient_match_torch(dtype, offset):
+@pytest.mark.parametrize("split", [4, 20])  # two shards of 4 + 19 and 20 + 3 columns: each holds some targets
+def test_shard_partials_and_shard_gradients_merge_to_the_oracle(dtype, split):
+    """Each shard's partials, merged (vocab_parallel.merge_partials), give the full row's ℓ and H; each shard's
+    gradient from the merged state, with shard-local ids (a target outside [0, V) gets no one-hot), is the
+    oracle's gradient of those columns."""
     x, ids, gen = _logits(2, 6, 23, dtype)
-    x[0, 1] = -math.inf  # an all −inf shard row (padded vocabulary)
-    ours, theirs = cpu_rows.shard_partials(x, ids, offset, 0.8), torch_rows.shard_partials(x, ids, offset, 0.8)
-    assert_close("partials", ours, theirs, 1e-5, 1e-6)
-    _, _, state = torch_rows.row_stats(x[1:], ids[1:], 0.8)  # rows with a finite max (any state does for both)
-    g, h = torch.randn(1, 6, generator=gen), torch.randn(1, 6, generator=gen)
-    a, b = torch.empty_like(x[1:]), torch.empty_like(x[1:])
-    cpu_rows.row_grad(x[1:], ids[1:] - offset, state, g, h, 0.8, a)  # a target outside [0, V): no one-hot
-    torch_rows.row_grad(x[1:], ids[1:] - offset, state, g, h, 0.8, b)
-    _assert_same_grad(a, b, dtype)
+    x[0, 1, :split] = -math.inf  # a shard row that is all −inf (padded vocabulary)
+    ids[0, 1] = split
+    shards = [(0, x[..., :split]), (split, x[..., split:])]
+    parts = torch.stack([cpu_rows.shard_partials(shard, ids, offset, 0.8) for offset, shard in shards])
+    logp, entropy, state = merge_partials(parts, 0.8)
+    exact_lp, exact_h, graph = exact_rows(x, ids, 0.8)
+    check_stats("logp", logp, exact_lp, dtype)
+    check_stats("entropy", entropy, exact_h, dtype)
+    g, h = torch.randn(2, 6, generator=gen), torch.randn(2, 6, generator=gen)
+    grads = []
+    for offset, shard in shards:
+        grads.append(torch.empty_like(shard))
+        cpu_rows.row_grad(shard, ids - offset, state, g, h, 0.8, grads[-1])
+    check_grad(torch.cat(grads, -1), exact_grad(graph, g, h), dtype)
 
 
 def test_long_rows_stay_exact_against_float64():
@@ -100,7 +103,6 @@ def test_long_rows_stay_exact_against_float64():
     e = torch.exp(x[0, 2].double() - 40.0)
     q = (e.sum() - e[ids[0, 2]]) / e.sum()
     assert abs(state[0, 2, 2].item() - q.item()) <= 1e-4 * q.item()
-    assert abs(state[0, 2, 2].item() - torch_rows.row_stats(x, ids, 1.0)[2][0, 2, 2].item()) <= 1e-6 * q.item()
 
 
 def test_extreme_and_non_finite_logits():
@@ -109,9 +111,10 @@ def test_extreme_and_non_finite_logits():
     x[0, 1, 7:] = -math.inf  # a padded vocabulary
     ids[0, 1] = 3
     x[1, 2, 5] = math.nan
-    ours, theirs = cpu_rows.row_stats(x, ids, 1.0), torch_rows.row_stats(x, ids, 1.0)
-    assert_close("logp", ours[0], theirs[0], 1e-5, 1e-6)
-    assert_close("entropy", ours[1], theirs[1], 1e-5, 1e-6)
+    ours = cpu_rows.row_stats(x, ids, 1.0)
+    exact_lp, exact_h, _ = exact_rows(x, ids, 1.0)
+    check_stats("logp", ours[0], exact_lp, torch.float32)
+    check_stats("entropy", ours[1], exact_h, torch.float32)
     assert ours[0][1, 2].isnan() and ours[0][~ours[0].isnan()].isfinite().all()
     out = torch.empty_like(x)
     cpu_rows.row_grad(x, ids, ours[2], torch.ones(2, 4), torch.ones(2, 4), 1.0, out)
@@ -144,31 +147,39 @@ def test_in_place_gradient_and_thread_count_change_nothing(dtype, monkeypatch):
 
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_linear_folds_match_torch_folds(entropy, temperature):
+def test_linear_folds_match_the_oracle(entropy, temperature):
+    """The C folds of the fused-linear tiles: two 300-column tiles folded into the statistics give the oracle's ℓ
+    and H of the 600-column rows (targets before, inside and after each tile); the gradient fold of one tile, from
+    the oracle's lse and Σ p·z, is the oracle's gradient of that tile."""
     gen = torch.Generator().manual_seed(5)
     rows, cols = 37, 300
     inv_t = 1.0 / temperature
-    ids = torch.randint(-50, 400, (rows,), generator=gen)  # targets before, inside and after this tile
-    stats = []
-    def c_fold(*args):
-        assert cpu_rows.fold_stats(*args)  # the C fold ran
+    ids = torch.randint(0, 2 * cols, (rows,), generator=gen)
+    z = torch.randn(rows, 2 * cols, generator=gen) * 4
+    z[0, :cols] = -math.inf  # a row that is all −inf in the first tile: the second rescales an empty state
+    ids[0] = cols + 7
+    st = RowStats.empty(rows, torch.device("cpu"))
+    for v0 in (0, cols):  # the second tile rescales the first's sums
+        assert cpu_rows.fold_stats(z[:, v0 : v0 + cols].contiguous(), ids, v0, inv_t, st)  # the C fold ran
+    log_sum = torch.log(st.sum_exp)
+    exact_lp, exact_h, _ = exact_rows(z.unsqueeze(0), ids.unsqueeze(0), temperature)
+    check_stats("logp", (st.target - st.max) - log_sum, exact_lp[0], torch.float32)
+    check_stats("entropy", log_sum - st.sum_exp_z / st.sum_exp, exact_h[0], torch.float32)
+    assert torch.equal(st.max, (z * inv_t).amax(-1))
 
-    for fold in (c_fold, linear_torch.fold_stats_torch):
-        st = linear_torch.RowStats.empty(rows, torch.device("cpu"))
-        for v0 in (0, 300):  # two tiles, so the second one rescales the first's sums
-            z = torch.randn(rows, cols, generator=torch.Generator().manual_seed(v0)) * 4
-            z[0] = -math.inf  # a row that is all −inf in both tiles
-            fold(z, ids, v0, inv_t, st)
-        stats.append(st)
-    for name in ("max", "sum_exp", "sum_exp_z", "target"):
-        assert_close(name, getattr(stats[0], name), getattr(stats[1], name), 1e-5, 1e-6)
-    z = torch.randn(rows, cols, generator=gen) * 4
-    lse, mean_z = torch.randn(rows, generator=gen) + 6, torch.randn(rows, generator=gen)
-    g, h = torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
-    mz, hh = (mean_z, h) if entropy else (None, None)
-    want = linear_torch.fold_grad_torch(z.clone(), ids, 0, inv_t, lse, mz, g, hh, torch.float32)
-    got = cpu_rows.fold_grad(z, ids, 0, inv_t, lse, mz, g, hh, torch.float32)
-    _assert_same_grad(got, want, torch.float32)
+    tile = z[1:, :cols].contiguous()  # one tile holding the whole rows' vocabulary
+    tile_ids = ids[1:] % cols
+    exact_lp, exact_h, graph = exact_rows(tile.unsqueeze(0), tile_ids.unsqueeze(0), temperature)
+    lse = torch.logsumexp(tile.double() * inv_t, -1)
+    g, h = torch.randn(rows - 1, generator=gen), torch.randn(rows - 1, generator=gen)
+    fold_rows = GradRows(
+        ids=tile_ids, lse=lse.float(), mean_z=(lse - exact_h[0]).float() if entropy else None, g=g,
+        h=h if entropy else None,
+    )  # fmt: skip
+    got = cpu_rows.fold_grad(tile, 0, inv_t, fold_rows, torch.float32)
+    assert got is not None  # the C fold ran
+    want = exact_grad(graph, g.unsqueeze(0), h.unsqueeze(0) if entropy else None)[0]
+    check_grad(got, want, torch.float32)
 
 
 def test_bad_arguments_raise_before_any_pointer_is_used():
@@ -228,7 +239,9 @@ def test_a_process_without_the_extension_runs_the_chunked_rows():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("GRPO_KERNELS_CPU_ROWS", None)
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "1"
 
@@ -245,6 +258,8 @@ def test_a_forked_child_runs_the_kernels_on_one_thread():
         "_, status = os.waitpid(pid, 0); print(os.waitstatus_to_exitcode(status))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "0"

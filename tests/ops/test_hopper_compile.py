@@ -48,8 +48,8 @@ def _configs() -> list[dict]:
     vocab, dtype = 151936, "bf16"
     out.append(config("stats unaligned", "row_stats_fwd_kernel", dtype, vocab, {"ALIGNED": False}))
     out.append(config("vocab shard partials", "shard_partials_fwd_kernel", dtype, vocab, {"ALIGNED": True}))
-    out.append(config("grad", "row_stats_bwd_kernel", dtype, vocab, {"HAS_ENT": False, "ALIGNED": True}))
-    out.append(config("grad+H unaligned", "row_stats_bwd_kernel", dtype, vocab, {"HAS_ENT": True, "ALIGNED": False}))
+    out.append(config("grad", "row_grad_kernel", dtype, vocab, {"HAS_ENT": False, "ALIGNED": True}))
+    out.append(config("grad+H unaligned", "row_grad_kernel", dtype, vocab, {"HAS_ENT": True, "ALIGNED": False}))
     for loss, name in ((0, "clip"), (1, "cispo"), (2, "sapo")):
         plain = {"LOSS": loss, "ALIGNED": True, **dict.fromkeys(FUSED_FLAGS, False)}
         out.append(config(f"fused {name} plain", "fused_token_grad_fwd_kernel", dtype, vocab, plain))
@@ -58,13 +58,15 @@ def _configs() -> list[dict]:
             out.append(config(f"fused {name} all", "fused_token_grad_fwd_kernel", dtype, vocab, every))
     every = {"LOSS": 0, "ALIGNED": False, **dict.fromkeys(FUSED_FLAGS, True)}
     out.append(config("fused clip all unaligned", "fused_token_grad_fwd_kernel", dtype, vocab, every))
-    # The fused-linear folds (ops/linear_triton.py): fp32 logits tiles, the gradient in the GEMM dtype.
+    # The fused-linear folds (ops/linear_folds_triton.py): fp32 logits tiles, the gradient in the GEMM dtype.
     for width in (200, 4096):
-        out.append(config("linear stats", "linear_stats_fwd_kernel", "fp32", width, {}, "linear_triton"))
+        out.append(config("linear stats", "linear_stats_fwd_kernel", "fp32", width, {}, "linear_folds_triton"))
         for grad_dtype in DTYPES:
             for has_h in (False, True):
                 label = "linear grad+H" if has_h else "linear grad"
-                out.append(config(label, "linear_grad_bwd_kernel", grad_dtype, width, {"HAS_H": has_h}, "linear_triton"))
+                out.append(
+                    config(label, "linear_grad_bwd_kernel", grad_dtype, width, {"HAS_H": has_h}, "linear_folds_triton")
+                )
     return out
 
 

@@ -49,7 +49,7 @@ CLOCK = 1.98e9  # Hz: H100/H200 SXM boost clock; each SM issues 4 warp instructi
 FUSED = "fused_token_grad_fwd_kernel"
 KERNELS = (  # (label, kernel, flags, DRAM bytes per logit byte counted by the bound)
     ("stats", "row_stats_fwd_kernel", {"ALIGNED": True}, 1),
-    ("grad+H", "row_stats_bwd_kernel", {"HAS_ENT": True, "ALIGNED": True}, 2),
+    ("grad+H", "row_grad_kernel", {"HAS_ENT": True, "ALIGNED": True}, 2),
     ("fused clip all", FUSED, {"LOSS": 0, "ALIGNED": True, **dict.fromkeys(hopper_aot.FUSED_FLAGS, True)}, 2),
     ("shard partials", "shard_partials_fwd_kernel", {"ALIGNED": True}, 1),
 )
@@ -230,7 +230,7 @@ def test_tile_loops_do_one_exp2_per_logit(model):
     for m in model:
         slots = m["per_thread"] // m["vec"]  # each slot's rescale in pass 1
         expected = [m["per_thread"] + slots, m["per_thread"]] if m["kernel"] == FUSED else [m["per_thread"] + slots]
-        if m["kernel"] == "row_stats_bwd_kernel":
+        if m["kernel"] == "row_grad_kernel":
             expected = [m["per_thread"]]
         if m["ex2"] != expected:
             wrong.append((m["label"], m["dtype"], m["vocab"], m["ex2"], expected))
@@ -318,10 +318,10 @@ def test_cache_policy_in_the_ptx(model):
         else:
             assert "evict_last" not in cache["policies"], where  # read once: never kept in L2 on purpose
             assert not any("evict_last" in form for form in cache["loads"] + cache["copies"]), where
-        if m["kernel"] in (FUSED, "row_stats_bwd_kernel"):  # the gradient: V-wide stores, all streaming
+        if m["kernel"] in (FUSED, "row_grad_kernel"):  # the gradient: V-wide stores, all streaming
             wide = [form for form in cache["stores"] if form != "st.global"]  # st.global alone: ℓ and H scalars
             assert wide and all("L1::evict_first" in form for form in wide), where
-            if m["kernel"] == "row_stats_bwd_kernel":
+            if m["kernel"] == "row_grad_kernel":
                 assert cache["stores"] == ["st.global.L1::evict_first.L2::cache_hint"], where
         hinted = all("L2::cache_hint" in form for form in cache["copies"])
         assert cache["copies"], where  # the tile loops are pipelined on every version

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import fields
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataclasses import fields
-
 from grpo_kernels.config import CLIPPED_LOSS_TYPES, FUSED_LOSS_TYPES, LossConfig
 from grpo_kernels.loss_math import aggregation_weights, entropy_bonus_weights
 from grpo_kernels.ops import torch_rows
-from reference import reference_grpo_loss, reference_selective_log_softmax
+from reference import reference_grpo_loss
 
-from ..oracle_check import TOLERANCES, ulp
+from .row_oracle import check_grad, check_stats, exact_grad, exact_rows
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1: the Triton kernels cannot run", allow_module_level=True)
@@ -77,29 +76,12 @@ def nan_out_like(x: torch.Tensor, layout: str) -> torch.Tensor:
 # float64 truth: the oracle, differentiated by autograd
 
 
-def exact_rows(x: torch.Tensor, ids: torch.Tensor, tau: float):
-    """The oracle's (logp, entropy) in float64 on the same input values, and its graph for `exact_grad`."""
-    leaf = x.detach().double().requires_grad_(True)
-    logp, entropy = reference_selective_log_softmax(leaf, ids, tau)
-    return logp.detach(), entropy.detach(), (leaf, logp, entropy)
-
-
-def exact_grad(graph, g: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
-    """∂(Σ g·ℓ + Σ h·H)/∂logits of the oracle, float64."""
-    leaf, logp, entropy = graph
-    objective = (g.double() * logp).sum()
-    if h is not None:
-        objective = objective + (h.double() * entropy).sum()
-    (grad,) = torch.autograd.grad(objective, leaf, retain_graph=True)
-    return grad
-
-
 def exact_loss_grad(x, ids, cfg: LossConfig, inputs: dict, old, ref) -> torch.Tensor:
     """∂loss/∂logits of the oracle's GRPO loss on the fused kernel's inputs, float64."""
     leaf = x.detach().double().requires_grad_(True)
     options = {f.name: getattr(cfg, f.name) for f in fields(LossConfig) if f.name != "check_inputs"}
     out = reference_grpo_loss(
-        leaf, ids, inputs["advantages"], inputs["mask"], old, ref, importance_sampling_ratio=inputs["is_ratio"],
+        leaf, ids, inputs["advantages"], inputs["mask"], old, ref, importance_sampling_ratio=inputs["rho"],
         **options,
     )  # fmt: skip
     (grad,) = torch.autograd.grad(out.loss, leaf)
@@ -108,41 +90,6 @@ def exact_loss_grad(x, ids, cfg: LossConfig, inputs: dict, old, ref) -> torch.Te
 
 # ------------------------------------------------------------------------------------------------------------------
 # Checks (bounds: docs/loss.md, "Tolerances", via tests/oracle_check.TOLERANCES)
-
-
-def check_stats(name: str, ours: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not torch.isnan(ours[~torch.isnan(exact)]).any(), f"{name}: a row was not written (NaN fill survived)"
-    tol = TOLERANCES[dtype]
-    torch.testing.assert_close(
-        ours.double(), exact, rtol=tol["loss_rtol"], atol=tol["loss_atol"], equal_nan=True, msg=lambda m: f"{name}: {m}"
-    )
-
-
-def check_grad(ours: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> None:
-    ours = ours.double()
-    assert torch.equal(torch.isnan(ours), torch.isnan(exact)), (
-        f"grad: NaN pattern differs ({int(torch.isnan(ours).sum())} NaN ours, {int(torch.isnan(exact).sum())} exact)"
-    )
-    finite = ~torch.isnan(exact)
-    ours, exact = ours[finite], exact[finite]
-    if exact.numel() == 0:
-        return
-    err = (ours - exact).abs()
-    scale = exact.abs().max()
-    tol = TOLERANCES[dtype]
-    if dtype == torch.float32:
-        bound = tol["grad_rtol_of_max"] * scale + torch.finfo(torch.float32).tiny
-    else:
-        # One ulp of the storage dtype per element, plus the shared fp32 floor for elements that are tiny only
-        # because g and h·(z − Σpz) cancel (see oracle_check.TOLERANCES).
-        bound = tol["grad_ulps"] * ulp(exact, dtype) + tol["grad_fp32_floor"] * scale
-    bad = err > bound
-    if bad.any():
-        i = (err - bound).argmax()
-        raise AssertionError(
-            f"grad ({dtype}): {int(bad.sum())} elements off; worst exact {exact[i].item():.8e} ours "
-            f"{ours[i].item():.8e} err {err[i].item():.3e} bound {bound if bound.dim() == 0 else bound[i]:.3e}"
-        )
 
 
 def run_rows(x, ids, tau, g, h, out=None):
@@ -161,7 +108,7 @@ def run_rows(x, ids, tau, g, h, out=None):
 
 
 def check_state(state: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, x: torch.Tensor, tau: float) -> None:
-    """The row state is the shared layout of ops/rows.py: (m, log Σe, 1 − p_y, Σ p·z'), so H = s − c."""
+    """The row state is the shared layout of ops/backend.py: (m, log Σe, 1 − p_y, Σ p·z'), so H = s − c."""
     assert state.shape == (*logp.shape, 4) and state.dtype == torch.float32
     finite = torch.isfinite(entropy)
     assert torch.equal(state[..., 0][finite], x.float().amax(-1)[finite])
@@ -180,7 +127,7 @@ def token_inputs(batch, length, gen, *, old=True, ref=True, ratio=True, per_toke
     return {
         "advantages": adv,
         "mask": mask,
-        "is_ratio": rho,
+        "rho": rho,
         "old_delta": 0.3 * randn(batch, length) if old else None,
         # ℓ_ref − ℓ kept >= 0.2 away from 0: 1 − exp(ℓ_ref − ℓ) cancels there, and an fp32 ℓ (off by up to an
         # ulp of ℓ, 1e-6 at ℓ ~ −8) cannot give that small coefficient to 1e-5 (or to the bf16/fp16 ulp).
@@ -210,7 +157,7 @@ def run_fused(x, ids, cfg: LossConfig, inputs: dict, out=None):
         advantages=inputs["advantages"],
         old_logp=old,
         ref_logp=ref,
-        is_ratio=inputs["is_ratio"],
+        rho=inputs["rho"],
         weight=aggregation_weights(mask, cfg).float(),
         entropy_weight=entropy_bonus_weights(mask, cfg).float() if cfg.entropy_coef != 0 else None,
         cfg=cfg,
@@ -441,7 +388,7 @@ def test_fused_nan_propagates_and_masked_tokens_are_zero():
     cfg = LossConfig(loss_type="grpo", beta=0.04)
     logp, entropy = triton_logits.fused_token_grad(
         x, ids, 1.0, advantages=adv, old_logp=None, ref_logp=torch.zeros(2, 3, device=DEVICE) - 3.0,
-        is_ratio=None, weight=weight, entropy_weight=None, cfg=cfg, out=out,
+        rho=None, weight=weight, entropy_weight=None, cfg=cfg, out=out,
     )  # fmt: skip
     assert torch.isnan(logp[0, 0]) and torch.isnan(entropy[0, 0]) and torch.isnan(out[0, 0]).all()
     assert torch.isnan(out[0, 2]).all()
@@ -519,7 +466,8 @@ def test_shard_partials_match_the_torch_partials(dtype, layout):
     x = make_logits(values, dtype, layout)
     for temperature in (1.0, 0.7):
         got = triton_logits.shard_partials(x, ids, offset, temperature)
-        want = torch_rows.shard_partials(x.float(), ids, offset, temperature)  # the torch partials of the same rounded values
+        # the torch partials of the same rounded values
+        want = torch_rows.shard_partials(x.float(), ids, offset, temperature)
         assert got.shape == (batch, length, 5)
         torch.testing.assert_close(got, want, rtol=2e-6, atol=0.0)
         # target logit −inf: outside the shard (ids 3, 119), or the all −inf row

@@ -1,9 +1,10 @@
-"""The row-backend interface: what every logits backend offers the loss, and the one per-row state they share.
+"""The backend interfaces: `RowBackend` (what every logits backend offers the loss, and the one per-row state they
+share) and `LinearBackend` (the fused-linear tile backends, with the parameter objects they take).
 
-A backend is a module (`ops/torch_rows.py`, `ops/triton_logits.py`, ...) or an object with these names;
-`grpo_kernels.dispatch.pick_backend` returns one, typed as `RowBackend`, so the api -> kernel edge is visible to a
-reader and to a type checker. The fused-linear backends (`ops/linear_torch.py`, `ops/linear_triton.py`) follow
-`LinearBackend`.
+A row backend is a module (`ops/torch_rows.py`, `ops/cpu_rows.py`, `ops/triton_logits.py`) or an object with these
+names; `grpo_kernels.dispatch.pick_backend` returns one, typed as `RowBackend`, so the api -> kernel edge is visible
+to a reader and to a type checker. The fused-linear backends (`ops/linear_tiles.TileBackend` objects: the
+`BACKEND` of `ops/linear_folds_torch.py` and of `ops/linear_folds_triton.py`) follow `LinearBackend`.
 
 Row state, [B, T, ROW_STATE_WIDTH] float32 (float64 for float64 logits, which only the torch rows take), contiguous,
 the same for every backend. Per row, with x the raw logits, m = max_v x_v, z'_v = (x_v − m)/τ (<= 0) and
@@ -28,15 +29,14 @@ scalars per row, never a V-wide pass; the fp32 row state above stays what the gr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from ..config import CLIPPED_LOSS_TYPES, LossConfig
+from ..config import LossConfig
 
 ROW_STATE_WIDTH = 4
-# The per-token loss of the one-read fused passes (Triton and C kernels alike): 0 the clipped PPO form, 1 cispo, 2 sapo
-FUSED_LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
 SHARD_PARTIALS_WIDTH = 5  # (m, Σe, Σe·z', raw target logit or −inf, Σ_{v≠y} e) of one shard row: see shard_partials
 
 
@@ -45,9 +45,7 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_row_state(
-    batch: int, length: int, device: torch.device, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def empty_row_state(batch: int, length: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialized row state of the shape every backend's `row_stats` returns (torch.compile's fake kernel);
     `dtype`: the logits' dtype."""
     return torch.empty(batch, length, ROW_STATE_WIDTH, dtype=stats_dtype(dtype), device=device)
@@ -62,8 +60,10 @@ def logp_from_sums(z_y: torch.Tensor, e_y: torch.Tensor, others: torch.Tensor, l
 class FusedTokenGrad(Protocol):
     """The one-read fused pass of the token-level losses (`LossConfig.is_fused`): ℓ, H, the token coefficient
     g = ∂loss/∂ℓ and ∂logits in one read of each row. Returns (logp, entropy): logp [B, T] float64 (the module
-    docstring's "ℓ in float64"), entropy [B, T] float32; writes `out`. g is formed from that float64 ℓ. A token with weight 0 and entropy weight 0 (masked) gets an
-    exactly zero gradient row, whatever its logits and per-token inputs hold (the `row_grad` contract)."""
+    docstring's "ℓ in float64"), entropy [B, T] float32; writes `out`. g is formed from that float64 ℓ (ops/coef.py:
+    the coefficient's three copies). `rho` is ρ, the importance-sampling ratio, or None. A token with weight 0 and
+    entropy weight 0 (masked) gets an exactly zero gradient row, whatever its logits and per-token inputs hold (the
+    `row_grad` contract)."""
 
     def __call__(
         self,
@@ -74,7 +74,7 @@ class FusedTokenGrad(Protocol):
         advantages: torch.Tensor,
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
-        is_ratio: torch.Tensor | None,
+        rho: torch.Tensor | None,
         weight: torch.Tensor,
         entropy_weight: torch.Tensor | None,
         cfg: LossConfig,
@@ -119,35 +119,46 @@ class RowBackend(Protocol):
         ...
 
 
-# The fused-linear tile drivers: `merge` and `reduce_dx` are the vocabulary-parallel hooks (None: one process).
+# The fused-linear hooks of vocabulary parallelism (None: one process): `merge` turns one shard's pass-1 statistics
+# (an ops/linear_tiles.RowStats) into the full vocabulary's; `reduce_dx` sums the fp32 ∂hidden over the shards.
 MergeHook = Callable[[Any], Any]
 ReduceHook = Callable[[torch.Tensor], Any]
 
 
+@dataclass(frozen=True)
+class LinearInputs:
+    """One fused-linear call's inputs, as the tile backends take them."""
+
+    hidden: torch.Tensor  # [B, T, H]
+    weight: torch.Tensor  # [V, H]: the lm_head, or this rank's rows of it
+    bias: torch.Tensor | None  # [V]
+    ids: torch.Tensor  # [B, T] target ids; shard-local under vocabulary parallelism (may lie outside [0, V))
+    temperature: float
+
+
+@dataclass(frozen=True)
+class RowCoefficients:
+    """Pass 2's per-token inputs, each [B, T] float32 (float64 for float64 inputs): pass 1's lse and H, and the
+    objective's g = ∂loss/∂ℓ and h = ∂loss/∂H (None when the loss does not depend on H)."""
+
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    g: torch.Tensor
+    h: torch.Tensor | None
+
+
 class LinearBackend(Protocol):
-    """The vocabulary-tile work of `fused_linear_grpo_loss` (ℓ, H, lse, then the gradients of hidden, W, b)."""
+    """The vocabulary-tile work of the fused-linear functions: ℓ, H, lse (pass 1), then the gradients of hidden,
+    weight and bias (pass 2). Inputs are trusted: the public functions validated them."""
 
     def stats(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        ids: torch.Tensor,
-        temperature: float,
-        merge: MergeHook | None = None,
+        self, inp: LinearInputs, merge: MergeHook | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def grads(
         self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        ids: torch.Tensor,
-        lse: torch.Tensor,
-        entropy: torch.Tensor,
-        g: torch.Tensor,
-        h: torch.Tensor | None,
-        temperature: float,
-        needs: tuple[bool, ...],
+        inp: LinearInputs,
+        coef: RowCoefficients,
+        needs: tuple[bool, bool, bool],
         reduce_dx: ReduceHook | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
