@@ -6,9 +6,9 @@ from .config import LOSS_TYPES, LossConfig
 from .fused_linear import fused_linear_grpo_loss, fused_linear_log_softmax
 
 __all__ = [
+    "LOSS_TYPES",
     "GRPOLoss",
     "GRPOOutput",
-    "LOSS_TYPES",
     "LossConfig",
     "fused_linear_grpo_loss",
     "fused_linear_log_softmax",

@@ -43,7 +43,9 @@ def group_advantages(
         grouped = rewards.view(-1, num_generations)
     elif rewards.dim() == 2:
         if num_generations not in (None, rewards.shape[1]):
-            raise ValueError(f"num_generations={num_generations} disagrees with rewards of shape {tuple(rewards.shape)}")
+            raise ValueError(
+                f"num_generations={num_generations} disagrees with rewards of shape {tuple(rewards.shape)}"
+            )
         grouped = rewards
     else:
         raise ValueError(f"rewards must be [B*G] or [B, G], got shape {tuple(rewards.shape)}")

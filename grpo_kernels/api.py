@@ -1,10 +1,10 @@
 """The public entry points: `grpo_loss`, `GRPOLoss`, `selective_log_softmax`.
 
 A call flows (docs/architecture.md draws it): validate once (`boundary.py`: `LossConfig`, `TokenInputs`, value
-checks, aggregation weights) -> `_GRPOLossFunction` -> a `RowBackend` from `dispatch.pick_backend` (Triton on CUDA, chunked torch elsewhere).
-The gradient is computed in the forward, while the row is hot; backward only scales it, on the device. With
-check_inputs=False nothing is read back to the host between entry and return, nor in the backward (the value checks
-stay on the device: `validation.value_guard`), so a call can be captured in a CUDA graph.
+checks, aggregation weights) -> `_GRPOLossFunction` -> a `RowBackend` from `dispatch.pick_backend` (Triton on CUDA,
+chunked torch elsewhere). The gradient is computed in the forward, while the row is hot; backward only scales it, on the
+device. With check_inputs=False nothing is read back to the host between entry and return, nor in the backward (the
+value checks stay on the device: `validation.value_guard`), so a call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

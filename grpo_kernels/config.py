@@ -123,7 +123,9 @@ class LossConfig:
             )
         if self.max_completion_length is not None:
             if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int):
-                raise TypeError(f"max_completion_length must be an int, got {type(self.max_completion_length).__name__}")
+                raise TypeError(
+                    f"max_completion_length must be an int, got {type(self.max_completion_length).__name__}"
+                )
             if self.max_completion_length <= 0:
                 raise ValueError(f"max_completion_length must be > 0, got {self.max_completion_length}")
         if self.num_items_in_batch is not None and self.num_items_in_batch < 0:

@@ -85,7 +85,9 @@ def token_inputs(
 ) -> TokenInputs:
     """The per-token tensors of a (batch, length) call on `dev`, checked and in float64, as one `TokenInputs`."""
     bt = ((batch, length),)
-    adv = check_float("advantages", check_tensor("advantages", advantages, ((batch,), (batch, 1), (batch, length)), dev))
+    adv = check_float(
+        "advantages", check_tensor("advantages", advantages, ((batch,), (batch, 1), (batch, length)), dev)
+    )
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)
     if completion_mask is None:
@@ -100,7 +102,9 @@ def token_inputs(
     is_ratio = importance_sampling_ratio
     if is_ratio is not None:
         shapes = ((batch,), (batch, 1), (batch, length))
-        is_ratio = check_float("importance_sampling_ratio", check_tensor("importance_sampling_ratio", is_ratio, shapes, dev))
+        is_ratio = check_float(
+            "importance_sampling_ratio", check_tensor("importance_sampling_ratio", is_ratio, shapes, dev)
+        )
         if is_ratio.dim() == 1:
             is_ratio = is_ratio.unsqueeze(1)
     return TokenInputs(
@@ -257,7 +261,7 @@ def check_values(
             row = logits[where]
             bad_v = torch.isnan(row) | (row == torch.inf)
             v = int(bad_v.to(torch.int32).argmax())
-            detail = f"{row[v].item()} at position {where + (v,)}"
+            detail = f"{row[v].item()} at position {(*where, v)}"
             if not bool(bad_v.any()):
                 detail = f"a row of only −inf at {where}"
             raise ValueError(f"check_inputs: logits must be finite at unmasked tokens, got {detail}")
@@ -274,4 +278,6 @@ def check_ids_range(ids: torch.Tensor, vocab: int | torch.Tensor) -> None:
     lo, hi = torch.aminmax(ids)
     lo, hi, vocab = int(lo), int(hi), int(vocab)
     if lo < 0 or hi >= vocab:
-        raise ValueError(f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo}, {hi}]")
+        raise ValueError(
+            f"completion_ids must lie in [0, {vocab}) (the logits' vocabulary), got values in [{lo}, {hi}]"
+        )

@@ -25,7 +25,7 @@ def interpreter_blocker(triton_version: str | None, numpy_version: str | None) -
         return "Triton is not installed"
 
     def release(version: str) -> tuple[int, int]:
-        major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+        major, minor = [*version.split("+")[0].split("."), "0"][:2]
         return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
     if numpy_version is not None and release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):

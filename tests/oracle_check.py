@@ -40,10 +40,14 @@ def assert_close(name: str, ours: torch.Tensor, exact: torch.Tensor, rtol: float
     same_nan = torch.isnan(ours) == torch.isnan(exact)
     assert same_nan.all(), f"{name}: NaN pattern differs"
     finite = torch.isfinite(exact)
-    assert torch.equal(ours[~finite & ~torch.isnan(exact)], exact[~finite & ~torch.isnan(exact)]), f"{name}: inf differs"
+    assert torch.equal(ours[~finite & ~torch.isnan(exact)], exact[~finite & ~torch.isnan(exact)]), (
+        f"{name}: inf differs"
+    )
     err = (ours[finite] - exact[finite]).abs()
     bound = atol + rtol * exact[finite].abs()
-    assert (err <= bound).all(), f"{name}: max err {(err - bound).max().item():.3e} over bound; ours={ours} exact={exact}"
+    assert (err <= bound).all(), (
+        f"{name}: max err {(err - bound).max().item():.3e} over bound; ours={ours} exact={exact}"
+    )
 
 
 def assert_grad_close(
@@ -67,8 +71,15 @@ def assert_grad_close(
     worst = (err - bound).argmax() if err.numel() else None
     assert (err <= bound).all(), (
         f"grad ({dtype}): element err {err[worst].item():.3e} > bound "
-        f"{bound if isinstance(bound, float) else bound.flatten()[worst].item() if torch.is_tensor(bound) and bound.dim() else float(bound):.3e} "
-        f"(exact {exact[finite][worst].item():.6e}, ours {ours[finite][worst].item():.6e})"
+        + format(
+            bound
+            if isinstance(bound, float)
+            else bound.flatten()[worst].item()
+            if torch.is_tensor(bound) and bound.dim()
+            else float(bound),
+            ".3e",
+        )
+        + f" (exact {exact[finite][worst].item():.6e}, ours {ours[finite][worst].item():.6e})"
     )
 
 
@@ -166,7 +177,9 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_vocab
     if not token_level_only and draw(st.booleans()):
         options["off_policy_mask_threshold"] = draw(st.sampled_from([0.0, 0.05, 1.0]))
         if draw(st.booleans()):
-            tensors["sampling_logp"] = (true_logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float()
+            tensors["sampling_logp"] = (
+                true_logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
+            ).float()
     active = int((mask if mask is not None else torch.ones(batch, length)).sum())
     if not token_level_only and active > 1 and draw(st.booleans()):
         # A quantile whose position falls between two order statistics, so no token sits on the threshold and
@@ -199,7 +212,9 @@ def oracle_rounding(case: Case, full64: torch.Tensor, ref) -> torch.Tensor:
     coef = sum(g.abs() for g in grads if g is not None)  # [B, T]
     z_max = case.view(full64.detach()).abs().nan_to_num(0.0, 0.0, 0.0).amax(-1) / case.options["temperature"]
     floor = torch.zeros(full64.shape, dtype=torch.float64)
-    case.view(floor).copy_((32 * torch.finfo(torch.float64).eps * coef * (1 + z_max)).unsqueeze(-1).expand_as(case.view(floor)))
+    case.view(floor).copy_(
+        (32 * torch.finfo(torch.float64).eps * coef * (1 + z_max)).unsqueeze(-1).expand_as(case.view(floor))
+    )
     return floor
 
 
@@ -232,7 +247,13 @@ def check_case(case: Case, backend: str, inplace: bool = False) -> None:
     )
     for name, value in out.metrics.items():
         assert name in ref.metrics, f"metric {name} not in the oracle's"
-        assert_close(f"metric {name}", torch.as_tensor(value), torch.as_tensor(ref.metrics[name]), tol["loss_rtol"], tol["loss_atol"])
+        assert_close(
+            f"metric {name}",
+            torch.as_tensor(value),
+            torch.as_tensor(ref.metrics[name]),
+            tol["loss_rtol"],
+            tol["loss_atol"],
+        )
     assert leaf.grad.dtype == dtype
     assert_grad_close(leaf.grad, full64.grad, dtype, upstream_is_one=case.upstream == 1.0, oracle_error=floor)
 
@@ -252,7 +273,17 @@ def masked_sentinel_cases(draw, **kwargs) -> tuple[Case, Case]:
     if mask is None or bool(mask.all()):
         mask = (torch.rand(batch, length, generator=gen) > 0.4).float()
         mask[0, 0] = 0.0
-    clean = Case(case.full, case.ids, case.advantages, mask, case.old_logp, case.ref_logp, case.tensors, case.options, case.upstream)
+    clean = Case(
+        case.full,
+        case.ids,
+        case.advantages,
+        mask,
+        case.old_logp,
+        case.ref_logp,
+        case.tensors,
+        case.options,
+        case.upstream,
+    )
     masked = ~mask.bool()
 
     def sentinels(shape) -> torch.Tensor:
@@ -287,7 +318,17 @@ def masked_sentinel_cases(draw, **kwargs) -> tuple[Case, Case]:
     # clip metrics read (its sign) even for a fully masked row, so it is no masked input there.
     per_token = case.advantages.shape == (batch, length) and length > 1
     advantages = poison(case.advantages) if per_token else case.advantages
-    poisoned = Case(full, case.ids, advantages, mask, poison(case.old_logp), poison(case.ref_logp), tensors, case.options, case.upstream)
+    poisoned = Case(
+        full,
+        case.ids,
+        advantages,
+        mask,
+        poison(case.old_logp),
+        poison(case.ref_logp),
+        tensors,
+        case.options,
+        case.upstream,
+    )
     return clean, poisoned
 
 

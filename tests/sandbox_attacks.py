@@ -73,8 +73,8 @@ def survivor_program(marker: str, kind: str) -> str:
     head = f"import ctypes, os, time\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
     if kind == "hopper":  # forks and exits continuously: a snapshot of its pids is stale at once
         body = (
-            "if os.fork() == 0:\n    while True:\n        try:\n            if os.fork():\n                os._exit(0)\n"
-            "        except OSError:\n            pass\n"
+            "if os.fork() == 0:\n    while True:\n        try:\n            if os.fork():\n"
+            "                os._exit(0)\n        except OSError:\n            pass\n"
         )
     else:  # leaves the process group and session, then sleeps
         body = "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"

@@ -10,7 +10,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_kernels"
 # Compiled submodules (no .py file): the C extensions pyproject.toml declares, e.g. grpo_kernels._cpu_rows
 EXTENSIONS = {
     ext["name"]
-    for ext in tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"].get("ext-modules", [])
+    for ext in tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"].get(
+        "ext-modules", []
+    )
 }
 
 
@@ -68,7 +70,7 @@ def find_cycle(edges: dict[str, dict[str, list[str]]]) -> list[str] | None:
         path.append(node)
         for nxt in edges.get(node, {}):
             if state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
+                return [*path[path.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()

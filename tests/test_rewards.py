@@ -1,4 +1,5 @@
-"""The rule-based rewards: format (strict, lenient, custom tags), accuracy (math-verify), code, and their combination."""
+"""The rule-based rewards: format (strict, lenient, custom tags), accuracy (math-verify), code,
+and their combination."""
 
 import math
 

@@ -370,7 +370,9 @@ def test_the_callers_interpreter_and_only_the_packages_named(usr_local_key):
     if any(home == f or home.startswith(f + os.sep) for f in view.SAMPLE_OWN):
         with pytest.raises(ValueError, match="packages: 'numpy' is installed under"):
             run_python(numpy, limits=LIMITS, packages=["numpy"])
-        pytest.skip(f"numpy lives under {home}, a folder the sample gets an empty one of: showing it needs a venv elsewhere")
+        pytest.skip(
+            f"numpy lives under {home}, a folder the sample gets an empty one of: showing it needs a venv elsewhere"
+        )
     shown = run_python(numpy + sandbox_attacks.read_keys(keys), limits=LIMITS, packages=["numpy"])
     assert shown.passed, shown.stderr
     assert shown.stdout.strip() == "[]"  # numpy, and nothing else of its folder
@@ -467,7 +469,8 @@ def test_no_network():
     try:
         program = (
             "import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.socket(2, 1, 0)\n"
-            f"addr = struct.pack('!HH4s8x', 2, {port}, bytes([127, 0, 0, 1]))\nassert fd >= 0 and libc.connect(fd, addr, 16) == 0"
+            f"addr = struct.pack('!HH4s8x', 2, {port}, bytes([127, 0, 0, 1]))\n"
+            "assert fd >= 0 and libc.connect(fd, addr, 16) == 0"
         )
         assert not run_python(program, limits=LIMITS).passed
         with pytest.raises(TimeoutError):
@@ -644,7 +647,7 @@ def test_judge_refuses_what_a_solution_could_rig():
     try:
         conn = judge.Connection(calls=-1, replies=r)
         remote = conn.value(["h", 3])
-        for use in (bool, lambda x: x == 0, lambda x: 0 != x, lambda x: x in [0]):
+        for use in (bool, lambda x: x == 0, lambda x: x != 0, lambda x: x in [0]):
             with pytest.raises(TypeError, match="only plain data"):
                 use(remote)
         with pytest.raises(TypeError, match="only plain data can be passed"):

@@ -11,9 +11,17 @@ from grpo_kernels import GRPOLoss, grpo_loss, selective_log_softmax
 from grpo_kernels.ops import cpu_rows, torch_rows
 from reference import reference_selective_log_softmax
 
-from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
-from .oracle_check import check_cancelling_coefficient, check_large_log_ratios, check_masked_inputs_are_absent
-from .oracle_check import masked_sentinel_cases
+from .oracle_check import (
+    TOLERANCES,
+    assert_close,
+    assert_grad_close,
+    cases,
+    check_cancelling_coefficient,
+    check_case,
+    check_large_log_ratios,
+    check_masked_inputs_are_absent,
+    masked_sentinel_cases,
+)
 
 pytestmark = pytest.mark.usefixtures("nan_empty", "cpu_path")
 
@@ -26,7 +34,9 @@ def cpu_path(request, monkeypatch):
     if request.param == "chunked":
         monkeypatch.setenv("GRPO_KERNELS_CPU_ROWS", "0")
     return request.param
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 
 @FAST
@@ -50,7 +60,9 @@ def test_rows_split_across_chunks(case, monkeypatch, cpu_path):
     check_case(case, backend="torch")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(pair=masked_sentinel_cases())
 def test_masked_inputs_are_absent(pair):
     """NaN, ±inf and −1e4 at masked positions (logits rows, ℓ_old, ℓ_ref, ℓ_s, ρ, A), every loss type and option:
@@ -59,7 +71,8 @@ def test_masked_inputs_are_absent(pair):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"temperature": 0.7, "loss_type": "sapo"}, {"importance_sampling_level": "sequence", "loss_type": "cispo"}]
+    "options",
+    [{}, {"temperature": 0.7, "loss_type": "sapo"}, {"importance_sampling_level": "sequence", "loss_type": "cispo"}],
 )
 def test_log_ratios_are_exact_for_large_logp(options):
     check_large_log_ratios("torch", options)
@@ -120,7 +133,11 @@ def test_module_form_equals_function():
 
 def test_no_grad_forward_gives_the_same_loss():
     gen = torch.Generator().manual_seed(2)
-    x, ids, adv = torch.randn(2, 3, 11, generator=gen), torch.randint(0, 11, (2, 3), generator=gen), torch.randn(2, generator=gen)
+    x, ids, adv = (
+        torch.randn(2, 3, 11, generator=gen),
+        torch.randint(0, 11, (2, 3), generator=gen),
+        torch.randn(2, generator=gen),
+    )
     with torch.no_grad():
         plain = grpo_loss(x, ids, adv, backend="torch")
     graded = grpo_loss(x.clone().requires_grad_(), ids, adv, backend="torch")

@@ -10,14 +10,24 @@ from grpo_kernels import grpo_loss, selective_log_softmax
 from reference import reference_selective_log_softmax
 
 from .conftest import needs_triton_cpu
-from .oracle_check import TOLERANCES, assert_close, assert_grad_close, cases, check_case
-from .oracle_check import check_large_log_ratios, check_masked_inputs_are_absent, masked_sentinel_cases
+from .oracle_check import (
+    TOLERANCES,
+    assert_close,
+    assert_grad_close,
+    cases,
+    check_case,
+    check_large_log_ratios,
+    check_masked_inputs_are_absent,
+    masked_sentinel_cases,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("nan_empty"),
     needs_triton_cpu,  # CPU tensors throughout: the interpreter runs them
 ]
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 
 @SETTINGS
@@ -38,7 +48,9 @@ def test_inplace_backward_matches_oracle(case):
     check_case(case, backend="triton", inplace=True)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(pair=masked_sentinel_cases())
 def test_masked_inputs_are_absent(pair):
     """As tests/test_torch_path.py's, through both Triton paths (the one-read kernel, stats + row gradient)."""

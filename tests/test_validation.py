@@ -220,12 +220,27 @@ def test_check_inputs_names_the_argument_and_the_first_position():
     ids, adv = kwargs["completion_ids"], kwargs["advantages"]
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     bad = [
-        (dict(old_logp=_with(torch.zeros(B, T), (1, 2), NAN)), r"old_logp must be finite at unmasked tokens, got nan at position \(1, 2\)"),
-        (dict(old_logp=_with(_with(torch.zeros(B, T), (1, 0), -INF), (1, 2), NAN)), r"old_logp .* got -inf at position \(1, 0\)"),
-        (dict(ref_logp=_with(torch.zeros(B, T), (0, 1), INF), beta=0.1), r"ref_logp must be finite .* got inf at position \(0, 1\)"),
+        (
+            dict(old_logp=_with(torch.zeros(B, T), (1, 2), NAN)),
+            r"old_logp must be finite at unmasked tokens, got nan at position \(1, 2\)",
+        ),
+        (
+            dict(old_logp=_with(_with(torch.zeros(B, T), (1, 0), -INF), (1, 2), NAN)),
+            r"old_logp .* got -inf at position \(1, 0\)",
+        ),
+        (
+            dict(ref_logp=_with(torch.zeros(B, T), (0, 1), INF), beta=0.1),
+            r"ref_logp must be finite .* got inf at position \(0, 1\)",
+        ),
         (dict(advantages=_with(adv, (1,), NAN)), r"advantages must be finite .* position \(1, 0\)"),
-        (dict(importance_sampling_ratio=_with(torch.ones(B, T), (0, 0), INF)), "importance_sampling_ratio must be finite"),
-        (dict(logits=_with(logits, (1, 1, 3), NAN)), r"logits must be finite at unmasked tokens, got nan at position \(1, 1, 3\)"),
+        (
+            dict(importance_sampling_ratio=_with(torch.ones(B, T), (0, 0), INF)),
+            "importance_sampling_ratio must be finite",
+        ),
+        (
+            dict(logits=_with(logits, (1, 1, 3), NAN)),
+            r"logits must be finite at unmasked tokens, got nan at position \(1, 1, 3\)",
+        ),
         (dict(logits=_with(logits, (0, 1, 2), INF)), r"got inf at position \(0, 1, 2\)"),
         (dict(logits=_with(logits, (0, 0), -INF)), r"a row of only −inf at \(0, 0\)"),
     ]
@@ -334,7 +349,7 @@ def test_out_of_range_ids_never_reach_a_kernel_and_give_nan(backend, monkeypatch
     logp, entropy = fused_linear_log_softmax(h, weight, ids, backend=backend)
     (logp.nan_to_num() - entropy.nan_to_num()).sum().backward()
     assert torch.equal(logp.isnan(), bad) and torch.equal(h.grad.isnan().all(-1), bad)
-    assert seen and all(0 <= lo and hi < V for lo, hi in seen), seen
+    assert seen and all(lo >= 0 and hi < V for lo, hi in seen), seen
 
 
 # ----------------------------------------------------------------------------------------------------------------

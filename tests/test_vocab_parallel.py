@@ -61,7 +61,9 @@ def _rank_main(rank: int, world: int, store: str, results: str, backend: str) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("world", "backend"), [(2, "torch"), (4, "torch"), pytest.param(2, "triton", marks=needs_triton_cpu)])
+@pytest.mark.parametrize(
+    ("world", "backend"), [(2, "torch"), (4, "torch"), pytest.param(2, "triton", marks=needs_triton_cpu)]
+)
 def test_vocab_parallel_equals_unsharded_oracle(world, backend):
     # backend="triton": the shard partials kernel and the gradient kernel (interpreted on a CPU)
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,6 @@ from ..api import GRPOOutput
 from ..fused_linear import fused_linear_grpo_loss
 from .trl_versions import TRLMapping, forward_context, logits_to_keep
 
-
 # Config fields by which a model transforms its lm_head output (TRL's `add_fused_lm_head` reads the same ones); the
 # fused-linear loss computes `hidden @ W.T + b` only, so a model that sets any of them is refused.
 _LOGIT_SOFTCAP_FIELDS = ("final_logit_softcapping",)

@@ -70,8 +70,10 @@ MAPPINGS: tuple[TRLMapping, ...] = (
         refused=(
             (
                 "use_liger_kernel",
-                "this TRL computes the whole loss with Liger's LigerFusedLinearGRPOLoss in `compute_loss`, before "
-                "`_compute_loss` is reached, so the fused loss would never run",
+                (
+                    "this TRL computes the whole loss with Liger's LigerFusedLinearGRPOLoss in `compute_loss`, before "
+                    "`_compute_loss` is reached, so the fused loss would never run"
+                ),
             ),
         ),
     ),
@@ -84,8 +86,10 @@ MAPPINGS: tuple[TRLMapping, ...] = (
         refused=(
             (
                 "use_liger_kernel",
-                "this TRL scores the tokens from the backbone's hidden states with its own chunked projection, "
-                "outside the model's forward, which the fused loss does not reproduce",
+                (
+                    "this TRL scores the tokens from the backbone's hidden states with its own chunked projection, "
+                    "outside the model's forward, which the fused loss does not reproduce"
+                ),
             ),
         ),
     ),
@@ -169,8 +173,8 @@ def logits_to_keep(self: Any, mapping: TRLMapping, length: int) -> dict[str, int
 __all__ = [
     "MAPPINGS",
     "TESTED_RANGE",
-    "TRLMapping",
     "UNTESTED_ENV",
+    "TRLMapping",
     "check_options",
     "forward_context",
     "logits_to_keep",

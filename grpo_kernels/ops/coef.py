@@ -1,4 +1,5 @@
-"""The per-token coefficient g = ∂loss/∂ℓ of the one-read fused pass, and the one layout of the scalars its kernels take.
+"""The per-token coefficient g = ∂loss/∂ℓ of the one-read fused pass,
+and the one layout of the scalars its kernels take.
 
 The coefficient exists three times, a managed set held together by tests/ops/test_token_coef.py:
 - `loss_math.per_token_terms`, the definition (float64, differentiated by autograd);
@@ -16,7 +17,7 @@ from dataclasses import astuple, dataclass, fields
 from ..config import CLIPPED_LOSS_TYPES, LossConfig
 
 # The per-token loss of the fused kernels (Triton and C alike): 0 the clipped PPO form, 1 cispo, 2 sapo.
-FUSED_LOSS_CODES = {**{name: 0 for name in CLIPPED_LOSS_TYPES}, "cispo": 1, "sapo": 2}
+FUSED_LOSS_CODES = {**dict.fromkeys(CLIPPED_LOSS_TYPES, 0), "cispo": 1, "sapo": 2}
 
 
 @dataclass(frozen=True)

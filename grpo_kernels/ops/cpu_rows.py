@@ -166,8 +166,8 @@ def row_stats(
     head = torch.empty(batch, length, 3, dtype=torch.float32)  # (m, log Σe, 1 − p_y), as the kernel writes them
     flat = _flat_ids(ids)
     _ext.stats(
-        *_head(logits, flat), 1.0 / temperature, 1.0 / temperature, logp.data_ptr(), entropy.data_ptr(), head.data_ptr(),
-        _threads(logits.numel()),
+        *_head(logits, flat), 1.0 / temperature, 1.0 / temperature, logp.data_ptr(), entropy.data_ptr(),
+        head.data_ptr(), _threads(logits.numel()),
     )  # fmt: skip
     state = empty_row_state(batch, length, logits.device)
     state[..., :3] = head
@@ -240,8 +240,8 @@ def fused_token_grad(
     batch, length, _ = _check_rows(logits, ids)
     if cfg.is_sequence_level or cfg.loss_type not in FUSED_LOSS_CODES:
         raise ValueError(
-            f"fused_token_grad handles token-level options only (loss_type in {tuple(FUSED_LOSS_CODES)}, no sequence-level "
-            f"ratio or masks), got loss_type={cfg.loss_type!r}, "
+            f"fused_token_grad handles token-level options only (loss_type in {tuple(FUSED_LOSS_CODES)}, no "
+            f"sequence-level ratio or masks), got loss_type={cfg.loss_type!r}, "
             f"importance_sampling_level={cfg.importance_sampling_level!r}"
         )
     if cfg.beta != 0.0 and ref_logp is None:

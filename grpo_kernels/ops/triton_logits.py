@@ -257,9 +257,9 @@ def _row_grad_store(
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile, over [shift, n) from the aligned
     bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is
-    read before it is written, so the out may be the logits themselves. A row with g = h = 0 (a masked token) takes one uniform branch that stores zeros
-    without reading its logits, so a NaN row stays out of the gradient (the RowBackend contract). Loads and stores
-    stream past L2 (evict_first): nothing reads them again soon."""
+    read before it is written, so the out may be the logits themselves. A row with g = h = 0 (a masked token) takes one
+    uniform branch that stores zeros without reading its logits, so a NaN row stays out of the gradient (the RowBackend
+    contract). Loads and stores stream past L2 (evict_first): nothing reads them again soon."""
     o_b = _tile_offsets(SLOTS, VEC)
     b_live = b_g != 0.0
     if HAS_ENT:
@@ -606,8 +606,8 @@ def _token_coef(
     """g = ∂loss/∂ℓ of w·(ρ·L + β·kl) for one token, with torch autograd's tie rules (clamp passes the gradient
     on the closed interval, minimum splits ties). Selects are written so that a NaN ratio stays NaN.
 
-    `b_lp` is the fp64 ℓ of `_exact_logp_from_log2s`: ℓ − ℓ_old and ℓ_ref − ℓ are formed in fp64 (exact for any |ℓ|, where
-    an fp32 ℓ of size 1e3 would carry 6e-5 of rounding into exp), then rounded to fp32, whose relative rounding
+    `b_lp` is the fp64 ℓ of `_exact_logp_from_log2s`: ℓ − ℓ_old and ℓ_ref − ℓ are formed in fp64 (exact for any |ℓ|,
+    where an fp32 ℓ of size 1e3 would carry 6e-5 of rounding into exp), then rounded to fp32, whose relative rounding
     of a difference of size d costs exp only d·6e-8; the rest stays in fp32 registers."""
     b_r = tl.exp((b_lp - b_old).to(tl.float32))  # old = ℓ itself when not given: exactly 1 (NaN for a NaN ℓ)
     if LOSS == 0:  # grpo, bnpo, dr_grpo, dapo, luspo: −min(r·A, clamp(r, lo, hi)·A)

@@ -84,7 +84,7 @@ def _probe_plan() -> Plan:
         sys.executable, root, **namespaces, landlock_abi=landlock_abi_of_kernel(),
         seccomp=platform.machine() in SYSCALLS, cgroup=cgroup_parent() if root else None,
     )  # fmt: skip
-    no_ns = {k: False for k in namespaces}
+    no_ns = dict.fromkeys(namespaces, False)
     for changes in (
         {},
         {"cgroup": None},

@@ -157,7 +157,7 @@ def _read_local(path: str, ext: str, split: str) -> tuple[list[dict[str, Any]], 
                     f"dataset {path!r}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"dataset {path!r}, line {number}: not a JSON object")  # noqa: TRY004 - bad data
+                raise ValueError(f"dataset {path!r}, line {number}: not a JSON object")
             records.append(record)
             numbers.append(number)
         return records, lambda i: f"line {numbers[i]}"

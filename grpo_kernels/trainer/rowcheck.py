@@ -115,12 +115,16 @@ def check_rows(
             problem = prompt_problem(value)
             if problem:
                 known = f"; its columns: {sorted(row)}" if value is _MISSING else ""
-                raise ValueError(f"{source}, {locate(i)}: the prompt column {prompt!r} (--prompt-column) {problem}{known}")
+                raise ValueError(
+                    f"{source}, {locate(i)}: the prompt column {prompt!r} (--prompt-column) {problem}{known}"
+                )
         for need in needs:
             if not any(_present(row.get(name, _MISSING), need.strict) for name in need.names):
                 absent = [_absent(row.get(name, _MISSING), need.strict) for name in need.names]
                 # the column the row has but leaves empty, else the one the flag names
-                name, reason = next(((n, a) for n, a in zip(need.names, absent) if a != "missing"), (need.names[0], "missing"))
+                name, reason = next(
+                    ((n, a) for n, a in zip(need.names, absent) if a != "missing"), (need.names[0], "missing")
+                )
                 known = f"; its columns: {sorted(row)}" if reason == "missing" else ""
                 raise ValueError(f"{source}, {locate(i)}: column {name!r} {need.why}, is {reason}{known}")
 

@@ -30,7 +30,9 @@ def is_suite(dataset: str) -> bool:
 def task_names(dataset: str) -> list[str]:
     names = [n.strip() for n in dataset.removeprefix(PREFIX).split(",") if n.strip()]
     if not names:
-        raise ValueError(f"--dataset {dataset!r} names no task: use reasoning-gym:NAME[,NAME...], e.g. {PREFIX}chain_sum")
+        raise ValueError(
+            f"--dataset {dataset!r} names no task: use reasoning-gym:NAME[,NAME...], e.g. {PREFIX}chain_sum"
+        )
     return names
 
 
@@ -60,7 +62,11 @@ def load_suite(dataset: str, num_examples: int, seed: int) -> tuple[list[dict[st
 
 def _scorer(tasks: dict[str, Any]) -> Any:
     def accuracy_reward(
-        completions: Sequence[Any], task: Sequence[str], question: Sequence[str], metadata: Sequence[dict], **columns: Any
+        completions: Sequence[Any],
+        task: Sequence[str],
+        question: Sequence[str],
+        metadata: Sequence[dict],
+        **columns: Any,
     ) -> list[float | None]:
         """Each task's own `score_answer` on the completion's last `<answer>` block (None without one), against
         the entry it was made from; a scorer that fails on a malformed answer scores it 0."""
@@ -71,7 +77,7 @@ def _scorer(tasks: dict[str, Any]) -> Any:
             entry = {"question": q, "answer": gold, "metadata": meta}
             try:
                 scores.append(float(tasks[name].score_answer(found[-1].strip() if found else None, entry)))
-            except Exception:  # noqa: BLE001 - some scorers raise on text that is not an answer at all
+            except Exception:
                 scores.append(0.0)
         return scores
 

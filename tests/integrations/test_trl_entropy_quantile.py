@@ -9,9 +9,10 @@ pytest.importorskip("trl")
 
 from trl import GRPOTrainer
 
+from grpo_kernels.integrations.trl import FusedGRPOTrainer
+
 from .test_trl_fused_linear import FusedLinearTrainer
 from .test_trl_parity import assert_same, loss_grads_metrics, make_inputs, make_trainer, model_dir  # noqa: F401
-from grpo_kernels.integrations.trl import FusedGRPOTrainer
 
 
 @pytest.mark.parametrize(

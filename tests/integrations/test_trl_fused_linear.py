@@ -282,7 +282,7 @@ def test_non_linear_head_is_refused(model_dir, tmp_path):
 
     trainer = make_trainer(GRPOTrainer, model_dir, tmp_path)
     trainer.model.lm_head.__class__ = ScaledLinear
-    with pytest.raises(ValueError, match="lm_head is a ScaledLinear, not a plain torch.nn.Linear"):
+    with pytest.raises(ValueError, match=r"lm_head is a ScaledLinear, not a plain torch.nn.Linear"):
         patch_grpo_trainer(trainer, use_fused_linear=True)
 
 

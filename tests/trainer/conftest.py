@@ -11,7 +11,8 @@ from grpo_kernels.trainer.demo import addition_splits, build_char_tokenizer, bui
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    """A 1-layer Llama and its character tokenizer, saved as any hub model folder is (config, safetensors, tokenizer)."""
+    """A 1-layer Llama and its character tokenizer, saved as any hub model folder is
+    (config, safetensors, tokenizer)."""
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-model")
     tokenizer = build_char_tokenizer()

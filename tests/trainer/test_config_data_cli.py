@@ -110,7 +110,10 @@ def test_render_prompt_plain_r1_and_chat_template():
     tokenizer = build_char_tokenizer()
     assert render_prompt(tokenizer, "1+1=") == "1+1="
     assert render_prompt(tokenizer, "1+1=", R1_SYSTEM_PROMPT) == f"{R1_SYSTEM_PROMPT} User: 1+1= Assistant:"
-    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     assert render_prompt(tokenizer, "1+1=", "be brief") == "[system]be brief[user]1+1=[assistant]"
     assert render_prompt(tokenizer, "1+1=", "be brief", use_chat_template=False) == "be brief User: 1+1= Assistant:"
 

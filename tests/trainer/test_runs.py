@@ -387,7 +387,8 @@ def test_a_second_signal_stops_at_once_and_leaves_the_last_checkpoint_whole(
     assert main(argv) == 143
     err = capfd.readouterr().err.splitlines()
     assert err[-1] == (
-        f"grpo-kernels train: terminated (SIGTERM); last checkpoint: {tmp_path / 'checkpoint-1'} (continue with --resume)"
+        f"grpo-kernels train: terminated (SIGTERM); last checkpoint: {tmp_path / 'checkpoint-1'} "
+        "(continue with --resume)"
     )
     assert "Traceback" not in "\n".join(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "completions.jsonl", "metrics.jsonl"]

@@ -29,7 +29,9 @@ def test_the_tasks_own_scorers_give_gold_answers_1_and_wrong_ones_less():
     assert load_suite(TASKS, 6, seed=3)[0] == rows and load_suite(TASKS, 6, seed=4)[0] != rows  # from the seed
     legs, colourings = rows[:6], rows[6:]
     assert all(r["answer"] for r in legs) and all(r["answer"] is None for r in colourings)
-    gold = [answer(r["answer"]) for r in legs] + [answer(json.dumps(r["metadata"]["possible_answer"])) for r in colourings]
+    gold = [answer(r["answer"]) for r in legs] + [
+        answer(json.dumps(r["metadata"]["possible_answer"])) for r in colourings
+    ]
     wrong = [answer(str(int(r["answer"]) + 1)) for r in legs]
     wrong += [answer(json.dumps({str(v): 1 for v in r["metadata"]["puzzle"]["vertices"]})) for r in colourings]
     columns = {k: [r.get(k) for r in rows] for k in ("question", "answer", "metadata", "task")}
@@ -45,8 +47,26 @@ def test_two_tasks_train_a_few_steps_on_a_tiny_model(model_dir, tmp_path, capsys
     out = tmp_path / "run"
     argv = ["train", "--model", str(model_dir), "--dataset", TASKS, "--num-examples", "4", "--output-dir", str(out)]
     argv += ["--system-prompt", "none", "--max-prompt-length", "24", "--max-completion-length", "8"]
-    argv += ["--prompts-per-step", "2", "--num-generations", "2", "--max-steps", "2", "--reward-funcs", "accuracy,format"]
-    argv += ["--lora-r", "2", "--lora-target-modules", "q_proj,v_proj", "--no-progress", "--no-plot", "--num-threads", "1"]
+    argv += [
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "2",
+        "--max-steps",
+        "2",
+        "--reward-funcs",
+        "accuracy,format",
+    ]
+    argv += [
+        "--lora-r",
+        "2",
+        "--lora-target-modules",
+        "q_proj,v_proj",
+        "--no-progress",
+        "--no-plot",
+        "--num-threads",
+        "1",
+    ]
     assert main(argv) == 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("rewards/accuracy/mean" in m for m in metrics)
