@@ -8,7 +8,6 @@ without its extra fails at once with one line that names it.
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 TRAIN_MODULES = ("transformers", "peft", "datasets", "math_verify", "rich", "matplotlib", "safetensors")
 
@@ -22,14 +21,3 @@ def require(extra: str, modules: tuple[str, ...], what: str) -> None:
             f"pip install 'grpo-kernels[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
         )
 
-
-def run_cli(argv: list[str] | None = None) -> int:
-    """The `grpo-kernels` command (`cli.main`), or, without the [train] extra, one line that names it (exit 2)."""
-    try:
-        require("train", TRAIN_MODULES, "the grpo-kernels command")
-    except ImportError as err:
-        print(f"grpo-kernels: {err}", file=sys.stderr)
-        return 2
-    from .cli import main
-
-    return main(argv)

@@ -223,9 +223,9 @@ def fused_linear_grpo_loss(
     forward and the backward only scales. Exact: every token and vocabulary entry contributes, nothing is filtered
     (tokens whose gradient coefficients are exactly 0, such as padding, add exactly 0, whatever their hidden
     states hold).
-    The logits are formed in fp32 from the inputs' values (more exact than materialized bf16 logits); on CUDA the
-    logits' gradient is rounded to the inputs' dtype before the two gradient GEMMs, as materialized ∂logits are.
-    An enclosing autocast is not applied: hidden and weight must share a dtype.
+    The logits are formed in fp32 (more exact than materialized bf16 logits); on CUDA their gradient is rounded to
+    the inputs' dtype before the two gradient GEMMs. An enclosing autocast is not applied: hidden and weight must
+    share a dtype.
 
     Args:
         hidden: [B, T, H] float32/bfloat16/float16/float64 (float64: the torch tiles, computed in float64; the
@@ -244,8 +244,7 @@ def fused_linear_grpo_loss(
             all-gather of [B·T, 4] statistics and one all-reduce of the fp32 ∂hidden per call, both in the forward;
             each rank gets its rows' ∂weight, and ∂hidden is the full one (so hidden must not pass through a region
             whose backward all-reduces it again, such as Megatron's copy_to_tensor_model_parallel_region).
-        data_parallel_group: as in `grpo_loss` (default: the default process group when torch.distributed is
-            initialized and no vocab_parallel_group is given).
+        data_parallel_group: as in `grpo_loss`.
 
     Sharded weights: a DTensor weight or bias (an FSDP2 `fully_shard` parameter, read after the model's forward
     has resharded it) is all-gathered for the call and its gradient reduce-scattered back, averaged over the mesh as

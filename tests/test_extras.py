@@ -65,7 +65,7 @@ def test_the_trainer_without_its_extra_is_one_line_naming_it():
 
 
 def test_the_command_without_its_extra_is_one_line_naming_it():
-    proc = _run("from grpo_kernels.extras import run_cli\nsys.exit(run_cli(['demo']))\n")
+    proc = _run("from grpo_kernels.command import main\nsys.exit(main(['demo']))\n")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (
         proc.stderr.strip().splitlines() == [proc.stderr.strip()]

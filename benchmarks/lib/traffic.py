@@ -196,7 +196,7 @@ def _measure(dtype_name: str, vocab: int, tokens: int, device: str, reps: int, w
                 row["programs"] = sorted(probe.programs, key=str)
         except NotImplementedError as e:
             row.update(status="unsupported", note=str(e))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a row that fails says why, the others still run
             row.update(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
         shape["rows"].append(row)
     if not any(r["name"].startswith("fused") and r["status"] == "ok" for r in shape["rows"]):
@@ -207,7 +207,7 @@ def _measure(dtype_name: str, vocab: int, tokens: int, device: str, reps: int, w
                 t = _timed(lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused_args), device, reps, warmup)
             row.update(time_ms=t, GBps=2 * size / (t["median"] / 1e3) / 1e9)
             row["programs"] = None if probe is None else sorted(probe.programs, key=str)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             row.update(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
         shape["rows"].append(row)
     copy_row = shape["rows"][0]

@@ -154,7 +154,7 @@ def run_setup(setup: str, scope: dict) -> None:
     """Run the trusted `setup` in the tests' globals: what it defines shadows the solution's names for the tests
     (the solution's own calls, in the sandbox, still reach its own code), except what it only declares."""
     solution = dict(scope)
-    exec(compile(setup, "setup.py", "exec"), scope)
+    exec(compile(setup, "setup.py", "exec"), scope)  # noqa: S102 - trusted, like the tests
     for name in declared_only(setup):
         if name in solution:
             scope[name] = solution[name]
@@ -171,10 +171,10 @@ def judge(tests: str, conn: Connection, setup: str | None = None) -> tuple[bool,
         scope = namespace(conn, hello.get("names"), hello.get("modules"))
         if setup:
             run_setup(setup, scope)
-        exec(compile(tests, "tests.py", "exec"), scope)
+        exec(compile(tests, "tests.py", "exec"), scope)  # noqa: S102 - the trusted tests, in the judge
     except SystemExit as exc:  # the tests' own exit: their status decides
         return exc.code in (None, 0), f"the tests exited with {exc.code!r}"
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever ends the tests early fails them
         import traceback  # only failing tests pay for it
 
         return False, traceback.format_exc(limit=-4)[-4000:]

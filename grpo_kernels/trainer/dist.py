@@ -135,6 +135,6 @@ def together(world: World) -> Iterator[None]:
     error = None
     try:
         yield
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - settled below, raised again on this rank
         error = err
     settle(error, world)
