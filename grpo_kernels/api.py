@@ -278,7 +278,7 @@ def grpo_loss(
     tensors = (advantages, completion_mask, old_logp, ref_logp, importance_sampling_ratio, sampling_logp)
     if boundary.compiling():  # two opaque row ops around the traced objective (compile_op.py)
         call = prepare_tokens(cfg, ids, vocab, tensors, resolve_data_group(data_parallel_group, None), logits=logits)
-        return GRPOOutput(*compiled_grpo_loss(logits, call, backend))
+        return GRPOOutput(*compiled_grpo_loss(logits, cfg, call, backend))
     return _eager_loss(
         logits, ids, tensors, cfg, reduction, inplace_backward, backend, vocab_parallel_group, data_parallel_group
     )

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .compile_op import check_values_op, encoded_options, traced_config, validate_config
-from .config import LossConfig, make_config
+from .compile_op import check_values_op, traced_config, validate_config
+from .config import LossConfig, encode_options, make_config
 from .distributed import check_group
 from .loss_math import aggregation_weights
 from .validation import TokenCall, check_values, token_inputs, value_guard
@@ -44,11 +44,6 @@ def check_per_token_config(cfg: LossConfig) -> None:
             )
 
 
-def check_reduction(reduction: Any) -> None:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-
-
 def loss_options(
     config: LossConfig | None,
     options: dict[str, Any],
@@ -61,7 +56,8 @@ def loss_options(
 ) -> Any:
     """The call's options, checked by name: a `LossConfig`, or under torch.compile its traced stand-in (the same
     fields; `validate_config` runs LossConfig's checks in the graph, at trace time and at run time)."""
-    check_reduction(reduction)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     check_group("vocab_parallel_group", vocab_parallel_group)
@@ -81,7 +77,7 @@ def loss_options(
     if config is not None and not isinstance(config, LossConfig):
         make_config(config, {}, caller)  # its TypeError, by name
     cfg = traced_config(options, config)
-    validate_config(torch.zeros(()), encoded_options(cfg))
+    validate_config(torch.zeros(()), encode_options(cfg._asdict()))
     return cfg
 
 
@@ -114,4 +110,4 @@ def prepare_tokens(
     elif cfg.check_inputs:  # the call's one host sync
         check_values(ids, vocab, inp, beta=cfg.beta, logits=logits, logits_are_shard=logits_are_shard)
     weights = aggregation_weights(inp.mask, cfg, data_group) if aggregate else None
-    return TokenCall(cfg, guard.ids, inp, guard, factor, weights, data_group)
+    return TokenCall(inp, guard, factor, weights)

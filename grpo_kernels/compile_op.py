@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .config import OPTION_DEFAULTS, LossConfig, check_option_names, config_from_encoded, encode_options
+from .config import OPTION_DEFAULTS, LossConfig, check_option_names, config_from_encoded
 from .dispatch import pick_backend
 from .loss_math import TokenInputs, grpo_objective
 from .ops.backend import RowBackend, empty_row_state, stats_dtype
@@ -136,16 +136,12 @@ def _(logits, ids, advantages, mask, old_logp, ref_logp, is_ratio, beta, vocab):
     return mask.new_empty((), dtype=torch.float32)
 
 
-def encoded_options(cfg: TracedConfig) -> str:
-    return encode_options(cfg._asdict())
-
-
 def compiled_grpo_loss(
-    logits: torch.Tensor, call: TokenCall, backend: str
+    logits: torch.Tensor, cfg: TracedConfig, call: TokenCall, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """grpo_loss as traced by torch.compile: (loss, logp, entropy, metrics), opaque row ops around a traced
     O(B·T) objective. `call` comes from the same boundary as eager's (`boundary.prepare_tokens`)."""
-    cfg, guard = call.cfg, call.guard
+    guard = call.guard
     logp, entropy, _ = row_stats_op(logits, call.ids, cfg.temperature, backend)  # ℓ float64 (ops/backend.py)
     loss, metrics = grpo_objective(logp, entropy.double(), call.inp, cfg, call.weights)
     loss = loss.to(entropy.dtype) * call.factor

@@ -166,18 +166,19 @@ class ValueGuard(NamedTuple):
 class TokenCall:
     """A call's per-token side, checked: what the autograd functions and the compiled op take.
 
-    `ids` lie in [0, V) (`ValueGuard`); `factor` is the loss's and the metrics' factor (1, NaN for an invalid value
-    at an active token; under torch.compile with check_inputs=True it also carries the check op's zero, so that the
-    op is never dropped as unused); `weights` are `loss_math.aggregation_weights`, once per call (None with
-    reduction="none")."""
+    `factor` is the loss's and the metrics' factor (1, NaN for an invalid value at an active token; under
+    torch.compile with check_inputs=True it also carries the check op's zero, so that the op is never dropped as
+    unused); `weights` are `loss_math.aggregation_weights`, once per call (None with reduction="none")."""
 
-    cfg: Any  # LossConfig, or its traced stand-in under torch.compile
-    ids: torch.Tensor
     inp: TokenInputs
     guard: ValueGuard
     factor: torch.Tensor
     weights: torch.Tensor | None
-    data_group: Any
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The ids in [0, V) (`ValueGuard`): the ones the kernels read."""
+        return self.guard.ids
 
 
 def _nan_where(bad: torch.Tensor) -> torch.Tensor:
