@@ -247,11 +247,12 @@ def coefficients(
     upstream gradient `grad_output`) with the leaves ℓ and H (None: not differentiated); g is zeros where the output
     does not depend on ℓ (every token masked)."""
     wrt = [logp] if entropy is None else [logp, entropy]
-    grads = (None, None)
+    grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
     if output.requires_grad:
-        grads = (*torch.autograd.grad(output, wrt, grad_output, allow_unused=True), None)
+        grads = torch.autograd.grad(output, wrt, grad_output, allow_unused=True)
     g = torch.zeros_like(logp) if grads[0] is None else grads[0]
-    return g, grads[1] if entropy is not None else None
+    h = grads[1] if entropy is not None else None
+    return g, h
 
 
 def _objective_metrics(
