@@ -27,7 +27,7 @@ except ImportError:  # run as a script from its folder (see the module docstring
     import wire
 
 _NOT_MAPPED = (StopIteration, StopAsyncIteration, GeneratorExit)
-REPLY_BUDGET = 256 * 2**20  # bytes of address space the judge may grow by while it reads and rebuilds one reply
+REPLY_BUDGET = 3 * 64 * 2**20  # address space the judge may grow by while it reads and rebuilds one reply (3 × 64 MiB)
 
 
 class RemoteError(Exception):
