@@ -320,6 +320,10 @@ NUMPY_TESTS = (
     "x, y = scalars()\nassert isinstance(x, np.float64) and x == 1.5 and y.dtype == np.int32\n"
 )
 ISCLOSE = "assert math.isclose(area(2), 12.566, rel_tol=1e-3)\n"
+ODD_ITERATOR = (  # a module-level object that looks like an iterator but whose __iter__ raises: it stays a proxy
+    "class Odd:\n    def __next__(self):\n        return 1\n    def __iter__(self):\n        raise ValueError\n"
+    "odd = Odd()\n"
+)
 MATH_CLASS = "class math:\n    isclose = lambda *a, **k: True\ndef area(r):\n    return 1.0\n"
 FAKE_COUNTER = (  # a dict subclass that claims to be collections.Counter, equal to everything
     "class Counter(dict):\n    __module__ = 'collections'\n    def __eq__(self, other):\n        return True\n"
@@ -356,6 +360,8 @@ JUDGED = {
     "collections": (COLLECTIONS, COLLECTIONS_TESTS, None, False, 1),
     "numbers-and-big-ints": (NUMBERS, NUMBERS_TESTS, None, False, 1),
     "iterators": (ITERATORS, ITERATORS_TESTS, None, False, 1),
+    "iterator-of-objects": ("def f():\n    return (object() for _ in range(3))\n", "list(f())\n", None, False, 0),
+    "odd-iterator-beside": (ODD_ITERATOR + "def add(a, b):\n    return a + b\n", ADD_TESTS, None, False, 1),
     "fake-counter": (FAKE_COUNTER, "assert f() == {'a': 1}\n", None, False, 0),  # only its items cross
     "fake-namedtuple": (FAKE_NAMEDTUPLE, "assert f() == (1,)\n", None, False, 0),
     # the setup's classes cross by their fields; what it only declares is the solution's

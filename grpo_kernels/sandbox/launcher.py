@@ -468,23 +468,30 @@ def serve(program: str, calls: int, replies: int) -> None:
         return ["h", len(objects) - 1]
 
     def chunk(key: int) -> list:
-        items, size = [], chunks[key]
+        items, size, more = [], chunks[key], ["h", key]
         chunks[key] = min(2 * size, 1 << 16)
         try:
             for _ in range(size):
                 items.append(next(objects[key]))
         except StopIteration:
-            return ["I", wire.encode(items, classes(False)), ["n"]]
+            more = ["n"]
         except Exception as exc:  # noqa: BLE001 - raised by the iterator: the judge raises it after the items
-            return ["I", wire.encode(items, classes(False)), ["X", type(exc).__name__, str(exc)[:2000]]]
-        return ["I", wire.encode(items, classes(False)), ["h", key]]
+            more = ["X", type(exc).__name__, str(exc)[:2000]]
+        try:
+            return ["I", wire.encode(items, classes(False)), more]
+        except wire.NotPlain as exc:
+            return ["I", ["l", []], ["X", "TypeError", f"the iterator yielded {exc}"]]
 
     def offer(value: object) -> list:
         try:
             return wire.encode(value, classes(False))
         except wire.NotPlain:
             pass
-        if hasattr(type(value), "__next__") and iter(value) is value:
+        try:
+            iterator = hasattr(type(value), "__next__") and iter(value) is value
+        except Exception:  # noqa: BLE001 - whatever its __iter__ does, it stays here
+            iterator = False
+        if iterator:
             handle(value)
             chunks[len(objects) - 1] = 256
             return chunk(len(objects) - 1)

@@ -423,12 +423,13 @@ def loads(text: str | bytes) -> Any:
 
 
 def send(fd: int, message: dict) -> None:
-    """Write one message (a JSON object on one line) to `fd`."""
-    data = dumps(message).encode()
-    for part in (data, b"\n"):
-        view = memoryview(part)
-        while view:
-            view = view[os.write(fd, view) :]
+    """Write one message (a JSON object on one line) to `fd`, in one write where it fits the pipe (a forked child of
+    the solution may hold the same pipe: a short message and its newline never interleave with another's)."""
+    chunks = [dumps(message)] if _encode is None else _encode(message, 0)
+    data = "".join([*chunks, "\n"]).encode()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class Reader:
