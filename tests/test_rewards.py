@@ -272,6 +272,17 @@ CYCLE_TESTS = (
     "a = build([1, 2, 3])\na.next.next.next = a\nassert has_cycle(a) and not has_cycle(build([1, 2]))\n"
     "b = ring()\nassert type(b) is ListNode and b.next.next is b and b.next.val == 2\n"
 )
+TWICE = (  # builds nodes of its own class, named as the tests' class
+    "class Node:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+    "def twice(head):\n    return Node(head.val, Node(head.val)) if head else None\n"
+)
+OWN_NODE_TESTS = (  # a node class of the tests' own, walked with `while node:`
+    "class Node:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+    "def values(node):\n    out = []\n    while node:\n        out.append(node.val)\n        node = node.next\n"
+    "    return out\n"
+    "if 'second' in globals():\n    assert values(second(Node(1, Node(2, Node(3))))) == [2, 3]\n"
+    "if 'twice' in globals():\n    assert values(twice(Node(7))) == [7, 7] and type(twice(Node(1))) is Node\n"
+)
 ADD_TESTS = "if add(2, 3) != 5: exit(1)\nif add(1, 1) != 2: quit(1)\n"
 UNITTEST = (
     "import unittest\nclass TestAdd(unittest.TestCase):\n"
@@ -374,6 +385,9 @@ JUDGED = {
     ),
     "leetcode-no-solution": ("def helper():\n    return 1\n", "Solution()\n", LEETCODE, False, 0),
     "cycle": (CYCLE, CYCLE_TESTS, LEETCODE, False, 1),
+    # the tests' own classes cross the same way: as a bare class of the name there, or the solution's own
+    "tests-own-node": ("def second(head):\n    return head.next\n", OWN_NODE_TESTS, None, False, 1),
+    "tests-own-node-made-there": (TWICE, OWN_NODE_TESTS, None, False, 1),
     # unittest-style tests
     "unittest-main": ("def add(a, b):\n    return a + b\n", UNITTEST + "unittest.main()\n", None, False, 1),
     "unittest-main-wrong": (WRONG_ADD, UNITTEST + "if __name__ == '__main__':\n    unittest.main()\n", None, False, 0),

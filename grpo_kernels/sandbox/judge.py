@@ -98,7 +98,20 @@ class Connection:
     def __init__(self, calls: int, replies: int) -> None:
         self.calls = calls
         self.reader = wire.Reader(replies)
-        self.classes: dict[str, type] = {}  # the setup's classes, whose instances cross by their fields
+        self.scope: dict = {}  # the tests' globals
+        self.class_names: list[str] = []  # the classes the setup and the tests define
+
+    @property
+    def classes(self) -> dict[str, type]:
+        """The trusted classes whose instances cross by their fields: of `class_names`, those the tests' globals bind
+        to a class now (not a TestCase: the tests' own checks stay here)."""
+        unittest = sys.modules.get("unittest")
+        found = {}
+        for name in self.class_names:
+            cls = self.scope.get(name)
+            if isinstance(cls, type) and not (unittest is not None and issubclass(cls, unittest.TestCase)):
+                found[name] = cls
+        return found
 
     def send(self, message: dict) -> None:
         try:
@@ -289,6 +302,13 @@ def setup_classes(setup: str) -> tuple[list[str], list[str]]:
     return names, parts
 
 
+def class_names(tests: str) -> list[str]:
+    """The classes the tests define at their top level: their instances cross by their fields too."""
+    import ast
+
+    return [node.name for node in ast.parse(tests).body if isinstance(node, ast.ClassDef)]
+
+
 def run_setup(setup: str, scope: dict) -> tuple[set[str], set[str]]:
     """Run the trusted `setup` in the tests' globals: (the names it bound, those it only declared)."""
     before = dict(scope)
@@ -307,8 +327,7 @@ def scope_for(conn: Connection, hello: dict, tests: str, setup: str | None) -> d
     scope = module.__dict__
     lent = lend_modules(scope, [tests, setup or ""], set(names))
     bound, declared = run_setup(setup, scope) if setup else (set(), set())
-    classes = setup_classes(setup)[0] if setup else []
-    conn.classes = {k: scope[k] for k in classes if isinstance(scope.get(k), type)}
+    conn.scope = scope
     with _Budget():
         solution = namespace(conn, names, modules)
     for name, value in solution.items():
@@ -336,7 +355,8 @@ def judge(tests: str, conn: Connection, setup: str | None = None) -> tuple[bool,
     """Run `setup`, then `tests`, against the solution: (passed, what failed)."""
     try:
         names, source = setup_classes(setup) if setup else ([], [])
-        conn.send({"op": "prelude", "source": source, "classes": names})
+        conn.class_names = names + [n for n in class_names(tests) if n not in names]
+        conn.send({"op": "prelude", "source": source, "classes": conn.class_names})
         with _Budget():
             hello = conn.receive()
         if "error" in hello:

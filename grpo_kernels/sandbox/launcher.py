@@ -457,11 +457,19 @@ def serve(program: str, calls: int, replies: int) -> None:
             exec(statement, scope)  # noqa: S102 - the judge's trusted setup
         except Exception:  # noqa: BLE001 - an import this sandbox cannot see: the solution may not need it
             pass
-    given = {k: scope[k] for k in prelude.get("classes", []) if isinstance(scope.get(k), type)}
+    crossing = [k for k in prelude.get("classes", []) if isinstance(k, str) and k.isidentifier()]
+    given = {k: scope[k] for k in crossing if isinstance(scope.get(k), type)}  # the setup's
+    made: dict[str, type] = {}  # a bare class of the name, where neither the setup nor the solution defines one
 
-    def classes(decoding: bool) -> dict:  # instances of the setup's classes, or the solution's own of their names
-        own = {k: scope[k] for k in given if isinstance(scope.get(k), type)}
-        return given | own if decoding else {k: (given[k], own.get(k, given[k])) for k in given}
+    def classes(decoding: bool) -> dict:  # the classes whose instances cross by their fields, by name
+        found = {}
+        for k in crossing:
+            own = scope[k] if isinstance(scope.get(k), type) else None
+            if decoding:
+                found[k] = own or given.get(k) or made.setdefault(k, type(k, (), {}))
+            else:
+                found[k] = tuple(c for c in (own, given.get(k), made.get(k)) if c is not None)
+        return found
 
     def handle(value: object) -> list:
         objects.append(value)
