@@ -97,7 +97,7 @@ class _Budget:
 class Connection:
     def __init__(self, calls: int, replies: int) -> None:
         self.calls = calls
-        self.reader = wire.Reader(replies)
+        self.reader = wire.Reader(replies, max_items=wire.MAX_ITEMS)
         self.scope: dict = {}  # the tests' globals
         self.class_names: list[str] = []  # the classes the setup and the tests define
 

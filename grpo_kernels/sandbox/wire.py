@@ -444,13 +444,18 @@ def send(fd: int, message: dict) -> None:
 
 class Reader:
     """Reads newline-framed JSON messages from a file descriptor, refusing before it parses one any over `max_bytes`
-    or with more than `MAX_ITEMS` JSON arrays and objects (brackets inside strings count too: it errs on the side of
-    refusing): what parsing a message may cost is bounded by its size."""
+    or, where `max_items` is given (the judge's `MAX_ITEMS`), with more JSON arrays and objects than that (brackets
+    inside strings count too: it errs on the side of refusing), so that what parsing one costs is bounded."""
 
-    def __init__(self, fd: int, max_bytes: int = MAX_MESSAGE) -> None:
+    def __init__(self, fd: int, max_bytes: int = MAX_MESSAGE, max_items: int | None = None) -> None:
         self.fd = fd
         self.max_bytes = max_bytes
+        self.max_items = max_items
         self.buffer = bytearray()
+
+    def arrays(self, end: int) -> int:
+        """An upper bound on the JSON arrays and objects of the buffer's first `end` bytes."""
+        return self.buffer.count(b"[", 0, end) + self.buffer.count(b"{", 0, end)
 
     def receive(self) -> dict | None:
         """The next message, or None at end of file; `NotPlain` when it is too long or not a JSON object."""
@@ -468,10 +473,9 @@ class Reader:
         if end > self.max_bytes:
             self.buffer = self.buffer[end + 1 :]
             raise NotPlain(f"a message over {self.max_bytes} bytes")
-        items = self.buffer.count(b"[", 0, end) + self.buffer.count(b"{", 0, end)
         try:
-            if items > MAX_ITEMS:
-                raise NotPlain(f"a message of over {MAX_ITEMS} arrays and objects")
+            if self.max_items is not None and self.arrays(end) > self.max_items:
+                raise NotPlain(f"a message of over {self.max_items} arrays and objects")
             with memoryview(self.buffer) as view:
                 text = str(view[:end], "utf-8")
         except UnicodeDecodeError as err:
