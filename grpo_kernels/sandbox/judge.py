@@ -247,8 +247,8 @@ def uses(sources: list[str]) -> tuple[set[str], set[str]]:
 
 def lend_modules(scope: dict, sources: list[str], solution: set[str]) -> set[str]:
     """Bind in `scope` the judge's own module for each name of `STANDARD` that `sources` read: always where they
-    read an attribute of it, else where the solution does not bind that name. The names it bound (a module numpy
-    cannot be imported for is left unbound, never the solution's)."""
+    read an attribute of it, else where the solution does not bind that name. Returns the names it decided for the
+    judge; one whose module cannot be imported here (numpy) is left unbound, never the solution's."""
     read, bases = uses(sources)
     lent = set()
     for name in read & STANDARD.keys():
