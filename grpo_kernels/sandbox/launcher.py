@@ -444,19 +444,69 @@ def flush_and_exit(code: int) -> None:
 
 
 def serve(program: str, calls: int, replies: int) -> None:
-    """Run `program`, offer its top-level names to the judge, then answer the judge's calls until it hangs up."""
+    """Run what the judge sends first (the setup's imports and classes, one statement each), then `program`; offer
+    its top-level names to the judge, then answer the judge's calls until it hangs up. A value crosses as plain data
+    (the setup's classes by their fields), an iterator as its items, a chunk at a time; anything else stays here."""
     scope = {"__name__": "__main__", "__builtins__": builtins}
     objects: list[object] = []
+    chunks: dict[int, int] = {}  # an iterator's id -> how many items its next chunk holds
+    reader = wire.Reader(calls)
+    prelude = reader.receive() or {}
+    for statement in prelude.get("source", []):
+        try:
+            exec(statement, scope)  # noqa: S102 - the judge's trusted setup
+        except Exception:  # noqa: BLE001 - an import this sandbox cannot see: the solution may not need it
+            pass
+    crossing = [k for k in prelude.get("classes", []) if isinstance(k, str) and k.isidentifier()]
+    given = {k: scope[k] for k in crossing if isinstance(scope.get(k), type)}  # the setup's
+    made: dict[str, type] = {}  # a bare class of the name, where neither the setup nor the solution defines one
+
+    def classes(decoding: bool) -> dict:  # the classes whose instances cross by their fields, by name
+        found = {}
+        for k in crossing:
+            own = scope[k] if isinstance(scope.get(k), type) else None
+            if decoding:
+                found[k] = own or given.get(k) or made.setdefault(k, type(k, (), {}))
+            else:
+                found[k] = tuple(c for c in (own, given.get(k), made.get(k)) if c is not None)
+        return found
+
+    def handle(value: object) -> list:
+        objects.append(value)
+        return ["h", len(objects) - 1]
+
+    def chunk(key: int) -> list:
+        items, size, more = [], chunks[key], ["h", key]
+        chunks[key] = min(2 * size, 1 << 16)
+        try:
+            for _ in range(size):
+                items.append(next(objects[key]))
+        except StopIteration:
+            more = ["n"]
+        except Exception as exc:  # noqa: BLE001 - raised by the iterator: the judge raises it after the items
+            more = ["X", type(exc).__name__, str(exc)[:2000]]
+        try:
+            return ["I", wire.encode(items, classes(False)), more]
+        except wire.NotPlain as exc:
+            return ["I", ["l", []], ["X", "TypeError", f"the iterator yielded {exc}"]]
 
     def offer(value: object) -> list:
         try:
-            return wire.encode(value)
+            return wire.encode(value, classes(False))
         except wire.NotPlain:
-            objects.append(value)
-            return ["h", len(objects) - 1]
+            pass
+        try:
+            iterator = hasattr(type(value), "__next__") and iter(value) is value
+        except Exception:  # noqa: BLE001 - whatever its __iter__ does, it stays here
+            iterator = False
+        if iterator:
+            handle(value)
+            chunks[len(objects) - 1] = 256
+            return chunk(len(objects) - 1)
+        return handle(value)
 
     def argument(tree: list) -> object:
-        value = wire.decode(tree)
+        value = wire.decode(tree, classes(True))
         return objects[value.id] if type(value) is wire.Handle else value
 
     try:
@@ -470,18 +520,18 @@ def serve(program: str, calls: int, replies: int) -> None:
     names = {k: offer(v) for k, v in public.items() if not isinstance(v, types.ModuleType)}
     modules = {k: v.__name__ for k, v in public.items() if isinstance(v, types.ModuleType)}
     wire.send(replies, {"names": names, "modules": modules})
-    reader = wire.Reader(calls)
     while (message := reader.receive()) is not None:
         try:
             target = message["target"]
             obj = scope[target] if isinstance(target, str) else objects[target]
-            if message["op"] == "get":
-                value = getattr(obj, message["attr"])
+            if message["op"] == "more":
+                reply = {"ok": chunk(target)}
+            elif message["op"] == "get":
+                reply = {"ok": offer(getattr(obj, message["attr"]))}
             else:
                 args = [argument(a) for a in message["args"]]
                 kwargs = {k: argument(v) for k, v in message["kwargs"].items()}
-                value = obj(*args, **kwargs)
-            reply = {"ok": offer(value)}
+                reply = {"ok": offer(obj(*args, **kwargs))}
         except BaseException as exc:  # noqa: BLE001 - every failure of a call goes back to the judge
             try:
                 reply = {"raise": [type(exc).__name__, str(exc)[:2000]]}
