@@ -274,8 +274,9 @@ def leftovers(marker: str) -> str:
 
 
 def leftover_cases(pid_namespace: bool) -> list[tuple[str, str]]:
-    """What each case sees when it starts afresh (without a PID namespace, other processes are the machine's)."""
-    return [("0", f"0 [] {not pid_namespace}"), ("1", f"1 [] {not pid_namespace}")]
+    """What each case sees when it starts afresh: its own source alone (without a PID namespace, other processes are
+    the machine's)."""
+    return [(str(n), f"{n} ['solution.py'] {not pid_namespace}") for n in (0, 1)]
 
 
 def read_keys(paths: list[str]) -> str:

@@ -21,7 +21,18 @@ import pytest
 
 from grpo_kernels import sandbox
 from grpo_kernels.rewards import code_reward
-from grpo_kernels.sandbox import SandboxLimits, cleanup, isolation, plan, run_python, run_stdio, run_tests, runner, view
+from grpo_kernels.sandbox import (
+    SandboxLimits,
+    cleanup,
+    isolation,
+    plan,
+    run_python,
+    run_stdio,
+    run_tests,
+    runner,
+    view,
+    wire,
+)
 from grpo_kernels.sandbox.restrict import AUDIT_ARCH, SYSCALLS, seccomp_program
 from tests import sandbox_attacks
 
@@ -429,7 +440,9 @@ def test_writes_outside_its_folder_fail(tmp_path):
     target.chmod(0o777)  # even a folder everyone may write to stays out of reach
     victims = [target / "pwned", Path("/tmp") / f"grpo-sandbox-pwned-{os.getpid()}"]
     for p in victims:  # each write on its own, so the first failure does not hide the second
-        assert not run_python(f"open({str(p)!r}, 'w').write('x')", limits=LIMITS).passed and not p.exists()
+        wrote = run_python(f"open({str(p)!r}, 'w').write('x')", limits=LIMITS).passed
+        assert not p.exists()  # refused, or (in the mount namespace) written to the sample's own /tmp
+        assert not wrote or (isolation()["mount_namespace"] and str(p).startswith("/tmp/"))
     before = Path(__file__).stat().st_mtime_ns
     assert not run_python(f"import os\nos.utime({__file__!r})", limits=LIMITS).passed
     assert Path(__file__).stat().st_mtime_ns == before
@@ -437,10 +450,10 @@ def test_writes_outside_its_folder_fail(tmp_path):
 
 def test_parent_environment_is_out_of_reach(monkeypatch):
     monkeypatch.setenv("GRPO_SANDBOX_SECRET", "hunter2")
-    leaks = [
-        "import os\nassert 'hunter2' in str(os.environ)",
-        "import os\nassert b'hunter2' in open(f'/proc/{os.getppid()}/environ', 'rb').read()",
-        f"assert b'hunter2' in open('/proc/{os.getpid()}/environ', 'rb').read()",
+    leaks = [  # the secret spelled in pieces: a traceback shows the failing line
+        "import os\nassert 'hunter' + '2' in str(os.environ)",
+        "import os\nassert b'hunter' + b'2' in open(f'/proc/{os.getppid()}/environ', 'rb').read()",
+        f"assert b'hunter' + b'2' in open('/proc/{os.getpid()}/environ', 'rb').read()",
     ]
     for program in leaks:
         result = run_python(program, limits=LIMITS)
@@ -512,7 +525,7 @@ WIRE_VALUES = [None, True, -(2**70), 1.5, math.inf, "é", b"\x00", [1, (2, 3)], 
 
 @pytest.mark.parametrize("value", WIRE_VALUES, ids=range(len(WIRE_VALUES)))
 def test_wire_round_trip(value):
-    back = sandbox.wire.decode(json.loads(json.dumps(sandbox.wire.encode(value))))
+    back = wire.decode(json.loads(json.dumps(wire.encode(value))))
     assert back == value and type(back) is type(value)
 
 
@@ -531,8 +544,8 @@ def test_wire_round_trip(value):
     ],
 )
 def test_wire_refuses_malformed_trees(tree):
-    with pytest.raises(sandbox.wire.NotPlain):
-        sandbox.wire.decode(tree)
+    with pytest.raises(wire.NotPlain):
+        wire.decode(tree)
 
 
 def nested(depth: int) -> list:
@@ -547,8 +560,8 @@ NOT_PLAIN = [type("Int", (int,), {})(1), object(), [1, object()], 10**5000, nest
 
 @pytest.mark.parametrize("value", NOT_PLAIN, ids=["int-subclass", "object", "inside-a-list", "5000-digits", "deep"])
 def test_wire_refuses_what_is_not_plain(value):
-    with pytest.raises(sandbox.wire.NotPlain):
-        sandbox.wire.encode(value)
+    with pytest.raises(wire.NotPlain):
+        wire.encode(value)
 
 
 @pytest.mark.parametrize("layer", ["seccomp", "mount_namespace"])
@@ -597,8 +610,8 @@ MESSAGES = [{"a": [1, -2.5, None, True, "é\n\x00"], "b": {"c": []}}, [], "x", 1
 def test_wire_json_is_the_json_modules(message):
     # the launcher and the judge code JSON without importing json; the text is the same both ways
     text = json.dumps(message, separators=(",", ":"))
-    assert sandbox.wire.dumps(message) == text and sandbox.wire.loads(text) == message
-    assert sandbox.wire.loads(f" {text}\n".encode()) == message
+    assert wire.dumps(message) == text and wire.loads(text) == message
+    assert wire.loads(f" {text}\n".encode()) == message
 
 
 def test_the_sandboxed_side_starts_without_json_or_re():
@@ -613,23 +626,23 @@ def test_the_sandboxed_side_starts_without_json_or_re():
 @pytest.mark.parametrize("text", ["", "NaN", "[1] 2", "[1,]", '{"a": 1', "\x00", "Infinity", '"\\ud800', "01"])
 def test_wire_json_refuses_what_json_refuses(text):
     with pytest.raises(ValueError):
-        json.loads(text, parse_constant=sandbox.wire._Decoding.parse_constant)
+        json.loads(text, parse_constant=wire._Decoding.parse_constant)
     with pytest.raises(ValueError):
-        sandbox.wire.loads(text)
+        wire.loads(text)
 
 
 def test_wire_reader_frames_and_refuses():
     r, w = os.pipe()
     try:
-        reader = sandbox.wire.Reader(r)
-        sandbox.wire.send(w, {"a": 1})
+        reader = wire.Reader(r)
+        wire.send(w, {"a": 1})
         os.write(w, b'{"b": [2]}\n[1, 2]\n{"c"')
         assert reader.receive() == {"a": 1} and reader.receive() == {"b": [2]}
-        with pytest.raises(sandbox.wire.NotPlain, match="malformed message"):
+        with pytest.raises(wire.NotPlain, match="malformed message"):
             reader.receive()  # a JSON list, not an object
         os.write(w, b": 3}\n" + b"[" * 5000 + b"\n")  # under a pipe buffer: nobody reads yet
         assert reader.receive() == {"c": 3}
-        with pytest.raises(sandbox.wire.NotPlain):
+        with pytest.raises(wire.NotPlain):
             reader.receive()  # nested past the parser's recursion limit
         os.close(w)
         w = -1

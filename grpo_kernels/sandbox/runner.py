@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from . import view, wire
+from . import view
 from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
 from .plan import Plan, cgroup_parent, counts_its_own, describe, landlock_abi_of_kernel, remove_cgroup, weaker, write
 from .restrict import SETUP_FAILED, SYSCALLS
@@ -131,7 +131,7 @@ def run_python(
 ) -> SandboxResult:
     """Run `source` as a program in the sandbox, `stdin` as its input; `passed` when it exits with status 0.
     `packages`: installed packages (top-level import names) the program may import, read only; no other is visible."""
-    return _run(_plan(), source, limits or SandboxLimits(), stdin=stdin, packages=packages)
+    return _run(_plan(), source, limits or SandboxLimits(), stdin=_sized(stdin, "stdin"), packages=packages)
 
 
 def run_tests(
@@ -171,19 +171,34 @@ def run_stdio(
     started dies when it ends (see `isolation()["cases"]`)."""
     limits = limits or SandboxLimits()
     seconds = limits.timeout if time_limit is None else time_limit
-    limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))
+    limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))  # each case's processes', not the init's
+    inputs = [_sized(given, f"cases[{i}]'s input") for i, (given, _) in enumerate(cases)]
+    for i, (_, out) in enumerate(cases):
+        _sized(out, f"cases[{i}]'s expected output")
     expected = [normalize_output(out) for _, out in cases]
     verdicts: list[bool] = []
 
     def judge(i: int, report: dict) -> bool:
         ok = report.get("status") == 0 and not report.get("timed_out") and not report.get("cut")
-        verdicts.append(ok and normalize_output(str(report.get("stdout", ""))) == expected[i])
+        verdicts.append(ok and normalize_output(report["stdout"].decode("utf-8", "replace")) == expected[i])
         return verdicts[-1]
 
-    room = max(limits.max_output_bytes, 2 * max((len(out) for _, out in cases), default=0) + 4096)
-    work = Cases([given for given, _ in cases], seconds, room, judge, stop_at_first_failure)
+    work = Cases(inputs, seconds, MAX_STDIO_BYTES, judge, stop_at_first_failure)
     _run(_plan(), program, limits, cases=work, packages=packages)
     return verdicts + [False] * (len(cases) - len(verdicts))
+
+
+MAX_STDIO_BYTES = 64 * 2**20  # of a stdin/stdout case's input, and of its output (a longer one fails the case)
+
+
+def _sized(text: str | bytes, what: str) -> bytes:
+    """`text` as bytes, refused by name over `MAX_STDIO_BYTES`."""
+    data = text.encode() if isinstance(text, str) else text
+    if not isinstance(data, bytes):
+        raise TypeError(f"{what} must be str or bytes, got {type(text).__name__}")
+    if len(data) > MAX_STDIO_BYTES:
+        raise ValueError(f"{what} is {len(data)} bytes, over the sandbox's limit of {MAX_STDIO_BYTES} (64 MiB)")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,10 +255,10 @@ def _run(
         with _memory_file() as out, _memory_file() as err, _memory_file() as given:
             given.write(stdin.encode() if isinstance(stdin, str) else stdin)
             given.seek(0)
-            ends = _Ends.open(pipes, tests=tests is not None, cases=cases is not None)
+            ends = _Ends.open(pipes, tests=tests is not None, cases=cases)
             job = _job(plan, program, limits, uid, workdir, seen, cgroup, ends, cases)
             start = time.monotonic()
-            sandbox = _start_launcher(plan, workdir, given, out, err, ends)
+            sandbox = _start_launcher(plan, workdir, str(job["folder"]), given, out, err, ends)
             procs.append(sandbox)
             if cgroup:
                 write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
@@ -281,10 +296,11 @@ class _Ends:
     calls: tuple[int, int] | None = None  # tests: the judge's calls into the solution
     replies: tuple[int, int] | None = None  # tests: the solution's replies
     verdict: tuple[int, int] | None = None  # tests: the judge's verdict
+    inputs: int | None = None  # cases: every input, one after the other, in a file in memory
 
     @classmethod
-    def open(cls, pipes: list[int], *, tests: bool, cases: bool) -> _Ends:
-        """The pipes a run needs, each end listed in `pipes`."""
+    def open(cls, pipes: list[int], *, tests: bool, cases: Cases | None) -> _Ends:
+        """The pipes a run needs (and the cases' inputs), each end listed in `pipes`."""
 
         def pipe() -> tuple[int, int]:
             r, w = os.pipe()
@@ -292,8 +308,14 @@ class _Ends:
             return r, w
 
         ends = cls(pipe(), pipe())
-        if cases:
+        if cases is not None:
             ends.reports = pipe()
+            ends.inputs = os.memfd_create("grpo-sandbox-inputs", os.MFD_CLOEXEC)
+            pipes.append(ends.inputs)
+            for given in cases.inputs:
+                view = memoryview(given)
+                while view:
+                    view = view[os.write(ends.inputs, view) :]
         if tests:
             ends.calls, ends.replies, ends.verdict = pipe(), pipe(), pipe()
         return ends
@@ -311,7 +333,7 @@ class _Ends:
         """The ends the launcher passes on to the sample (the job's "fds")."""
         if self.calls is not None and self.replies is not None:
             return [self.calls[0], self.replies[1]]
-        return [self.reports[1]] if self.reports is not None else []
+        return [self.reports[1], self.inputs] if self.reports is not None and self.inputs is not None else []
 
     @property
     def judge_fds(self) -> list[int]:
@@ -347,12 +369,17 @@ def _job(
     ends: _Ends,
     cases: Cases | None,
 ) -> dict[str, object]:
-    """What the launcher is to do, as it reads it from its job pipe."""
+    """What the launcher is to do, as it reads it from its job pipe. The sample's folder: in the mount namespace, one
+    in its own /tmp, whatever the caller's temporary folder is; without one, the caller's `workdir`."""
+    folder = os.path.join("/tmp", os.path.basename(workdir)) if plan.mount_ns else workdir
     job: dict[str, object] = {
         "mode": "functions" if ends.calls is not None else "cases" if cases is not None else "program",
         "program": program,
         "uid": uid,
         "workdir": workdir,
+        "folder": folder,
+        "writable": ["/tmp", "/dev/shm"] if plan.mount_ns else [workdir],
+        "executable": os.path.realpath(plan.python),
         "rlimits": _rlimits(plan, uid, limits),
         "namespaces": {"user": plan.user_ns, "pid": plan.pid_ns, "mount": plan.mount_ns, "net": plan.net_ns},
         "disk_bytes": limits.disk_mb * 2**20,
@@ -368,7 +395,11 @@ def _job(
         "status_fd": ends.status[1],
     }
     if cases is not None:
-        job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
+        job |= {
+            "case_sizes": [len(given) for given in cases.inputs],
+            "case_seconds": cases.seconds,
+            "output_bytes": cases.output_bytes,
+        }
     return job
 
 
@@ -376,10 +407,11 @@ _PATH = "/usr/bin:/bin"  # the children's PATH
 
 
 def _start_launcher(
-    plan: Plan, workdir: str, given: BinaryIO, out: BinaryIO, err: BinaryIO, ends: _Ends
+    plan: Plan, workdir: str, folder: str, given: BinaryIO, out: BinaryIO, err: BinaryIO, ends: _Ends
 ) -> subprocess.Popen:
-    """The sandboxed launcher, in a session of its own, with a clean environment; it waits for its job."""
-    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, **_ONE_THREAD}
+    """The sandboxed launcher, in a session of its own, with a clean environment; it waits for its job. `folder`:
+    the sample's own, as it sees it."""
+    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": folder, "TMPDIR": folder, **_ONE_THREAD}
     return subprocess.Popen(
         [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(ends.job[0])],
         stdin=given, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True,
@@ -459,7 +491,7 @@ def _result(outcome: _Outcome, tests: bool, nonce: str | None, cgroup: str | Non
 class Cases:
     """The stdin/stdout form within one run: the inputs go in, one report per case comes back in `reports`."""
 
-    inputs: list[str]
+    inputs: list[bytes]
     seconds: float  # wall clock per case, timed by the sandbox's runner and, with `_GRACE`, here
     output_bytes: int
     judge: Callable[[int, dict], bool]  # a case's verdict from its report; False ends the run when `stop` is set
@@ -474,27 +506,72 @@ def _collect(cases: Cases, fd: int, deadline: float, workdir: str, watch_disk: i
     """Read the case reports until all came, one came late, or a verdict stops the run: over the disk quota?
     Each report must arrive within its case's limit (and `_GRACE`) of the one before, `deadline` for the first:
     the runner inside the sandbox times the cases, and this is the check that does not trust it."""
-    reader = wire.Reader(fd)
+    frames = _Frames(fd, cases.output_bytes)
     due = deadline + cases.seconds
     while len(cases.reports) < len(cases.inputs):
-        left = due - time.monotonic()
-        if left <= 0:
-            return False
-        if not select.select([fd], [], [], min(left, 0.02) if watch_disk is not None else left)[0]:
-            if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
-                return True
-            continue
         try:
-            report = reader.receive()
-        except wire.NotPlain:
+            report = frames.next()
+        except ValueError:
             return False
-        if report is None or report.get("case") != len(cases.reports):
+        if report is None:
+            left = due - time.monotonic()
+            if left <= 0:
+                return False
+            if not select.select([fd], [], [], min(left, 0.02) if watch_disk is not None else left)[0]:
+                if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
+                    return True
+                continue
+            if not frames.fill():
+                return False  # the sandbox ended before its last report
+            continue
+        if report.get("case") != len(cases.reports):
             return False
         cases.reports.append(report)
         if not cases.judge(len(cases.reports) - 1, report) and cases.stop:
             return False
         due = time.monotonic() + cases.seconds + _GRACE
     return False
+
+
+class _Frames:
+    """The case reports as the sandbox's init sends them: a JSON line per frame; a frame with `out` is followed by
+    that many bytes of the case's stdout, and the case's last frame (its status) completes its report."""
+
+    def __init__(self, fd: int, output_bytes: int) -> None:
+        self.fd, self.limit = fd, output_bytes
+        self.buffer = bytearray()
+        self.output: list[bytes] = []
+        self.size = 0
+
+    def fill(self) -> bool:
+        chunk = os.read(self.fd, 2**20)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def next(self) -> dict | None:
+        """The next whole report (stdout as bytes), None until one has come; `ValueError` for a malformed frame."""
+        while True:
+            end = self.buffer.find(b"\n", 0, 4096)
+            if end < 0:
+                if len(self.buffer) >= 4096:
+                    raise ValueError("a frame header over 4 KiB")
+                return None
+            header = json.loads(self.buffer[:end])
+            if not isinstance(header, dict):
+                raise ValueError("a frame that is not a JSON object")
+            if "out" not in header:
+                del self.buffer[: end + 1]
+                header["stdout"] = b"".join(self.output)
+                self.output, self.size = [], 0
+                return header
+            size = header["out"]
+            if type(size) is not int or size < 0 or self.size + size > self.limit:
+                raise ValueError("an output frame over the limit")
+            if len(self.buffer) < end + 1 + size:
+                return None
+            self.output.append(bytes(self.buffer[end + 1 : end + 1 + size]))
+            self.size += size
+            del self.buffer[: end + 1 + size]
 
 
 def _close(fd: int, pipes: list[int]) -> None:
