@@ -68,6 +68,10 @@ FORGERIES = {
 }
 
 
+# setsid, then a process group of its own where setsid left it in the sample's (the sandbox makes it a no-op)
+LEAVE_GROUP = "    os.setsid()\n    if os.getpgid(0) != os.getpid():\n        os.setpgid(0, 0)\n"
+
+
 def survivor_program(marker: str, kind: str) -> str:
     """A solution that leaves processes named `marker` behind: a fork hopper or a setsid daemon."""
     head = f"import ctypes, os, time\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
@@ -76,8 +80,9 @@ def survivor_program(marker: str, kind: str) -> str:
             "if os.fork() == 0:\n    while True:\n        try:\n            if os.fork():\n"
             "                os._exit(0)\n        except OSError:\n            pass\n"
         )
-    else:  # leaves the process group and session, then sleeps
-        body = "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+    else:  # leaves the session (where setsid works) and the process group, then sleeps
+        body = "if os.fork() == 0:\n" + LEAVE_GROUP
+        body += "    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
     return head + body + "time.sleep(0.5)\ndef add(a, b):\n    return 0\n"
 
 
@@ -266,6 +271,8 @@ def leftovers(marker: str) -> str:
         "    open('left', 'w').write('x')\n"
         "    if os.fork() == 0:\n"
         "        os.setsid()\n"
+        "        if os.getpgid(0) != os.getpid():\n"
+        "            os.setpgid(0, 0)\n"
         f"        ctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
         "        time.sleep(30)\n"
         "        os._exit(0)\n"

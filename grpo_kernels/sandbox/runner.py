@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +30,17 @@ from typing import BinaryIO
 
 from . import view
 from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
-from .plan import Plan, cgroup_parent, counts_its_own, describe, landlock_abi_of_kernel, remove_cgroup, weaker, write
+from .plan import (
+    Plan,
+    cgroup_parent,
+    counts_its_own,
+    describe,
+    landlock_abi_of_kernel,
+    missing_layers,
+    remove_cgroup,
+    weaker,
+    write,
+)
 from .restrict import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -77,7 +88,8 @@ def _plan() -> Plan:
 @functools.lru_cache(maxsize=1)
 def _probe_plan() -> Plan:
     """The strongest set of layers this machine supports, each confirmed by running a program under it that
-    imports from the standard library (which a sample must be able to read)."""
+    imports from the standard library (which a sample must be able to read). A layer this caller could have but
+    that cannot be set up here is named in the plan's `fallback`, with a warning, once."""
     root = os.geteuid() == 0
     namespaces = {"user_ns": not root, "pid_ns": True, "mount_ns": True, "net_ns": True}
     plan = Plan(
@@ -85,6 +97,7 @@ def _probe_plan() -> Plan:
         seccomp=platform.machine() in SYSCALLS, cgroup=cgroup_parent() if root else None,
     )  # fmt: skip
     no_ns = dict.fromkeys(namespaces, False)
+    failures: list[str] = []
     for changes in (
         {},
         {"cgroup": None},
@@ -98,12 +111,29 @@ def _probe_plan() -> Plan:
         if candidate is None:
             continue
         try:
-            works = _run(candidate, _PROBE, SandboxLimits(timeout=30)).stdout == "42\n"
-        except OSError:  # e.g. a cgroup that refuses its limits
-            works = False
+            probe = _run(candidate, _PROBE, SandboxLimits(timeout=30))
+            works, why = probe.stdout == "42\n", probe.stderr.strip().splitlines()[-1:] or ["no output"]
+        except OSError as err:  # e.g. a cgroup that refuses its limits
+            works, why = False, [str(err)]
         if works:
-            return candidate
-    raise RuntimeError("the sandbox cannot run even a trivial program on this machine")
+            return _with_fallback(candidate, failures)
+        failures.append(why[0][:300])
+    raise RuntimeError(f"the sandbox cannot run even a trivial program on this machine: {failures[:1]}")
+
+
+def _with_fallback(plan: Plan, failures: list[str]) -> Plan:
+    """`plan`, its `fallback` naming every layer the caller could have had that it lacks (and why): a warning."""
+    missing = missing_layers(plan, os.geteuid() == 0, platform.machine() in SYSCALLS)
+    if not missing:
+        return plan
+    why = f": {failures[0]}" if failures else ""
+    fallback = f"{', '.join(missing)} could not be set up on this machine{why}"
+    warnings.warn(
+        f"grpo_kernels.sandbox: {fallback}; samples run without (see sandbox.isolation() and docs/sandbox.md)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return replace(plan, fallback=fallback)
 
 
 _PROBE = "import fractions\nprint(fractions.Fraction(84, 2))"  # a module the launcher never imported, and _decimal
