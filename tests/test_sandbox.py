@@ -711,3 +711,102 @@ def test_cgroup_kill_leaves_nothing():
             os.kill(pid, signal.SIGKILL)
         plan.remove_cgroup(folder)
     assert not os.path.exists(folder)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Honest Python as CPython runs it, at any scale, beside hogs: as root and as an unprivileged user
+
+WHO = ["caller", "nobody", "nobody-without-namespaces"]
+
+
+def in_sandbox_as(who: str, expression: str, timeout: float = 300, env: dict | None = None) -> tuple[dict, object]:
+    """(`isolation()`, the value of `expression` over `sandbox` and `sandbox_attacks`) in this process, or in a
+    script as `nobody` (with the plan made to lack namespaces for "nobody-without-namespaces")."""
+    if who == "caller":
+        return isolation(), eval(expression, {"sandbox": sandbox, "sandbox_attacks": sandbox_attacks})
+    if not sandbox_attacks.can_become_nobody():
+        pytest.skip("needs root, setpriv and a system python3 to become an unprivileged user")
+    weak = sandbox_attacks.WITHOUT_NAMESPACES if who.endswith("without-namespaces") else ""
+    script = weak + f"import warnings\nwarnings.simplefilter('ignore')\nvalue = {expression}\n"
+    script += "print(json.dumps([sandbox.isolation(), value]))"
+    proc = sandbox_attacks.as_nobody(script, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layers, value = json.loads(proc.stdout.splitlines()[-1])
+    assert not layers["separate_uid"] and layers["user_namespace"] is not who.endswith("without-namespaces")
+    return layers, value
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_interpreter_as_users_know_it(who):
+    # exit/quit (the sandbox runs with -S), a normal shutdown (atexit hooks, threads joined, open files flushed), a
+    # private /tmp, __file__ and inspect.getsource, pickling its own class, multiprocessing, sys.executable again
+    layers, got = in_sandbox_as(who, "sandbox_attacks.run_interpreter_programs(sandbox)")
+    for name, (_, printed) in sandbox_attacks.INTERPRETER.items():
+        if name in sandbox_attacks.NEEDS_OWN_TMP and not layers["mount_namespace"]:
+            continue  # without the mount namespace /tmp and /dev/shm are the machine's: refused (docs/sandbox.md)
+        passed, stdout, stderr = got[name]
+        assert passed and stdout == printed, (name, stdout, stderr)
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_stdin_and_stdout_at_any_scale(who):
+    _, got = in_sandbox_as(who, "sandbox_attacks.stdio_at_scale(sandbox)")
+    assert got["large"] == [True, True] and got["printed"] == [True]  # 17 MiB in, 20 MiB out
+    assert got["stderr"] == 60  # stderr is each case's own
+    assert len(got["refused"]) == 3 and "over the sandbox's limit of 67108864" in got["refused"][0]
+    assert [m.split(" is ")[0] for m in got["refused"]] == ["cases[0]'s input", "cases[0]'s expected output", "stdin"]
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_any_number_of_cases(who):
+    # the init that runs the cases spends none of the cases' limits (it once died after ~1.5k at time_limit=1)
+    _, passed = in_sandbox_as(who, "sandbox_attacks.many_cases(sandbox)", timeout=600)
+    assert passed == 3000
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_setsid_takes_no_cpu_from_siblings(who):
+    # each session was a scheduler autogroup: 15 setsid spinners took 15 shares, and honest siblings timed out
+    layers, (session, shares) = in_sandbox_as(
+        who, "[sandbox.run_python(sandbox_attacks.SESSION).stdout, sandbox_attacks.cpu_shares(sandbox)]"
+    )
+    if not layers["seccomp"]:
+        pytest.skip("setsid makes a session where seccomp cannot apply")
+    assert session.strip() == "0"  # setsid "succeeded", and the child is still in the sample's session
+    assert "failed" not in shares, shares
+    if layers["cpu"].startswith(("cgroup", "the sample's session is one")):  # one share per sample
+        assert shares["hog"] < 3 * min(shares["honest"]), shares  # 15 sessions once made it ~15 times
+
+
+@pytest.mark.parametrize("tmpdir", ["/dev/shm", "/var/tmp"])
+@pytest.mark.parametrize("who", ["caller", "nobody"])
+def test_any_tmpdir_keeps_every_layer(who, tmpdir, monkeypatch):
+    # the sample's folder lived in the caller's TMPDIR, under the read-only tmpfs the sandbox put over /dev/shm and
+    # /var/tmp: the probe failed there, and the sandbox ran without namespaces, silently
+    if not os.path.isdir(tmpdir) or not os.access(tmpdir, os.W_OK):
+        pytest.skip(f"{tmpdir} is not a writable folder here")
+    full = isolation()
+    if who == "caller":
+        import tempfile
+
+        monkeypatch.setattr(tempfile, "tempdir", tmpdir)
+        runner._probe_plan.cache_clear()
+    try:
+        programs = "{k: sandbox_attacks.INTERPRETER[k][0] for k in ('tmp', 'pool', 'source')}"
+        run = f"{{k: sandbox.run_python(v).stdout.strip() for k, v in {programs}.items()}}"
+        layers, printed = in_sandbox_as(who, run, env={"TMPDIR": tmpdir})
+    finally:
+        runner._probe_plan.cache_clear()
+    assert layers["mount_namespace"] and layers["pid_namespace"] and layers["network_namespace"], layers
+    if who == "caller":
+        assert layers == full
+    assert printed == {"tmp": "1", "pool": "[0, 1, 4, 9]", "source": "solution.py f():"}
+
+
+@pytest.mark.parametrize("who", ["caller", "nobody"])
+def test_a_layer_that_cannot_be_set_up_is_reported_and_warned_once(who):
+    _, got = in_sandbox_as(who, "sandbox_attacks.fallback_report(sandbox)")
+    layers = got["layers"]
+    assert not layers["mount_namespace"] and "a mount namespace" in layers["fallback"]
+    assert "mount namespaces are refused here" in layers["fallback"]
+    assert len(got["first"]) == 1 and "a mount namespace" in got["first"][0] and got["second"] == []
