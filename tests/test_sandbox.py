@@ -757,9 +757,10 @@ def test_stdin_and_stdout_at_any_scale(who):
     assert [m.split(" is ")[0] for m in got["refused"]] == ["cases[0]'s input", "cases[0]'s expected output", "stdin"]
 
 
-@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("who", ["caller", "nobody"])
 def test_any_number_of_cases(who):
-    # the init that runs the cases spends none of the cases' limits (it once died after ~1.5k at time_limit=1)
+    # the init that runs the cases spends none of the cases' limits (it once died after ~1.5k at time_limit=1);
+    # where the limits are set does not depend on the namespaces, and 3000 cases cost some 15 s a run
     _, passed = in_sandbox_as(who, "sandbox_attacks.many_cases(sandbox)", timeout=600)
     assert passed == 3000
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import builtins
 import ctypes
-import fcntl
 import os
 import resource
 import select
@@ -38,7 +37,6 @@ OVER_MEMORY = 96  # the exit status when the init killed the sample for its tota
 OVER_PROCESSES = 95  # ... for its number of processes (counted by the init only where no namespace counts them)
 PR_SET_CHILD_SUBREAPER = 36
 MNT_DETACH = 2
-F_SETPIPE_SZ = 1031
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,11 +218,6 @@ class CaseStreams:
             offset, size = offset + copied, size - copied
         os.lseek(self.stdin, 0, os.SEEK_SET)
         (self.out, out_w), (self.err, err_w) = os.pipe(), os.pipe()
-        for fd in (out_w, err_w):
-            try:
-                fcntl.fcntl(fd, F_SETPIPE_SZ, 2**20)  # fewer, larger reads for a large output
-            except OSError:
-                pass
         self.ends = [self.stdin, out_w, err_w]
         self.open = [self.out, self.err]  # the streams not yet at their end
         self.pidfd: int | None = None

@@ -176,9 +176,10 @@ def describe(p: Plan, view: object) -> dict[str, object]:
         "quotas)"
         if p.seccomp
         else "shared with the machine: a sample can exhaust the AIO, SysV and inotify quotas while it lives",
-        "disk": "a private tmpfs of disk_mb, seen by the sample alone"
+        "disk": "a private tmpfs of disk_mb, seen by the sample alone: its folder, its /tmp and its /dev/shm"
         if p.mount_ns
-        else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file",
+        else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file; /tmp and /dev/shm "
+        "are the machine's (refused where Landlock applies)",
         "cpu": _cpu(p),
         "cleanup": _cleanup(p),
         "cases": _cases(p),
@@ -275,10 +276,13 @@ def _cases(p: Plan) -> str:
 def _unix_sockets(p: Plan) -> str:
     layers = (
         (
-            "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included",
+            (
+                "seccomp: socket() fails for every family, AF_UNIX (pathname and abstract) included, and "
+                "socketpair() but for a connected AF_UNIX pair (no address: it reaches nothing but itself)"
+            ),
             p.seccomp,
         ),
-        ("the mount namespace hides /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
+        ("the mount namespace hides the machine's /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
         ("Landlock scope: abstract sockets outside the sample are refused", p.landlock_abi >= 6),
     )
     return "; ".join(layer for layer, on in layers if on) or "reachable"
