@@ -142,7 +142,7 @@ def apply_seccomp(machine: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Landlock: writes only inside the working folder, reads only the folders of the sample's view (`view`)
+# Landlock: writes only inside the sample's own folders, reads only the folders of its view (`view`)
 
 
 def apply_landlock(abi: int, writable: list[str], readable: list[str], listable: list[str]) -> None:
