@@ -159,7 +159,8 @@ def isolation() -> dict[str, object]:
 def run_python(
     source: str, *, limits: SandboxLimits | None = None, stdin: str | bytes = b"", packages: Sequence[str] = ()
 ) -> SandboxResult:
-    """Run `source` as a program in the sandbox, `stdin` as its input; `passed` when it exits with status 0.
+    """Run `source` as a program in the sandbox, `stdin` (up to `MAX_STDIO_BYTES`) as its input; `passed` when it
+    exits with status 0.
     `packages`: installed packages (top-level import names) the program may import, read only; no other is visible."""
     return _run(_plan(), source, limits or SandboxLimits(), stdin=_sized(stdin, "stdin"), packages=packages)
 
@@ -198,7 +199,9 @@ def run_stdio(
     `time_limit` seconds of wall clock each (else `limits.timeout`); a case passes when the program exits 0 and its
     output equals the expected one after `normalize_output`. The comparison happens here, in the caller, which never
     sends the expected outputs into the sandbox. Each case starts from the same empty folder, and every process it
-    started dies when it ends (see `isolation()["cases"]`)."""
+    started dies when it ends (see `isolation()["cases"]`). Inputs and expected outputs of up to `MAX_STDIO_BYTES`
+    (64 MiB) each, `ValueError` naming the case above it; an output over it fails its case. Any number of cases:
+    the limits are each case's processes' own."""
     limits = limits or SandboxLimits()
     seconds = limits.timeout if time_limit is None else time_limit
     limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))  # each case's processes', not the init's
