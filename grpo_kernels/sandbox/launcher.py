@@ -529,8 +529,11 @@ def main_module(program: str) -> types.ModuleType:
     """The module `__main__` the program runs as: `solution.py` in its folder, holding its source (`__file__`,
     `inspect.getsource`, pickling its own classes and `multiprocessing` all find it there)."""
     path = os.path.join(os.getcwd(), "solution.py")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(program)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(program)
+    except OSError as err:  # a source over max_file_mb or disk_mb
+        restrict.fail("solution.py", err)
     module = types.ModuleType("__main__")
     module.__file__, module.__builtins__ = path, builtins
     sys.modules["__main__"] = module
