@@ -815,3 +815,37 @@ def test_a_layer_that_cannot_be_set_up_is_reported_and_warned_once(who):
     assert not layers["mount_namespace"] and "a mount namespace" in layers["fallback"]
     assert "mount namespaces are refused here" in layers["fallback"]
     assert len(got["first"]) == 1 and "a mount namespace" in got["first"][0] and got["second"] == []
+
+
+def test_each_case_gets_its_own_tmp_and_shm():
+    # /tmp and /dev/shm are halves of the case's tmpfs: what one case leaves there, the next does not find
+    if not isolation()["mount_namespace"]:
+        pytest.skip("without the mount namespace /tmp and /dev/shm are the machine's, and refused")
+    program = (
+        "import os\nfolder = os.path.basename(os.getcwd())\n"
+        "print([e for e in os.listdir('/tmp') if e != folder], os.listdir('/dev/shm'))\n"
+        "open('/tmp/left', 'w').write('x')\nopen('/dev/shm/left', 'w').write('x')\n"
+    )
+    assert run_stdio(program, [("", "[] []")] * 2, limits=LIMITS) == [True, True]
+
+
+def test_case_frames_refuse_what_is_malformed():
+    r, w = os.pipe()
+    try:
+        frames = runner._Frames(r, output_bytes=8)
+        os.write(w, b'{"case": 0, "out": 3}\nabc{"case": 0, "out": 2}\nde{"case": 0, "status": 0}\n')
+        assert frames.fill() and frames.next() == {"case": 0, "status": 0, "stdout": b"abcde"}
+        assert frames.next() is None  # nothing more yet
+        os.write(w, b'{"case": 1, "out": 9}\n' + b"x" * 9)  # over output_bytes
+        frames.fill()
+        with pytest.raises(ValueError, match="over the limit"):
+            frames.next()
+        for bad in (b"[1, 2]\n", b"{" + b" " * 5000):
+            frames = runner._Frames(r, output_bytes=8)
+            os.write(w, bad)
+            frames.fill()
+            with pytest.raises(ValueError):
+                frames.next()
+    finally:
+        os.close(r)
+        os.close(w)
