@@ -516,3 +516,10 @@ def fallback_report(sandbox: Any) -> dict[str, Any]:
         runner._run = real
         runner._probe_plan.cache_clear()
     return {"layers": layers, "first": [str(w.message) for w in first], "second": [str(w.message) for w in second]}
+
+
+OWN_TMP = (  # one stdin/stdout program per case: what an earlier case left in /tmp and /dev/shm, then leave some
+    "import os\nfolder = os.path.basename(os.getcwd())\n"
+    "print([e for e in os.listdir('/tmp') if e != folder], os.listdir('/dev/shm'))\n"
+    "open('/tmp/left', 'w').write('x')\nopen('/dev/shm/left', 'w').write('x')\n"
+)

@@ -817,16 +817,13 @@ def test_a_layer_that_cannot_be_set_up_is_reported_and_warned_once(who):
     assert len(got["first"]) == 1 and "a mount namespace" in got["first"][0] and got["second"] == []
 
 
-def test_each_case_gets_its_own_tmp_and_shm():
+@pytest.mark.parametrize("who", ["caller", "nobody"])
+def test_each_case_gets_its_own_tmp_and_shm(who):
     # /tmp and /dev/shm are halves of the case's tmpfs: what one case leaves there, the next does not find
-    if not isolation()["mount_namespace"]:
-        pytest.skip("without the mount namespace /tmp and /dev/shm are the machine's, and refused")
-    program = (
-        "import os\nfolder = os.path.basename(os.getcwd())\n"
-        "print([e for e in os.listdir('/tmp') if e != folder], os.listdir('/dev/shm'))\n"
-        "open('/tmp/left', 'w').write('x')\nopen('/dev/shm/left', 'w').write('x')\n"
-    )
-    assert run_stdio(program, [("", "[] []")] * 2, limits=LIMITS) == [True, True]
+    cases = '[("", "[] []")] * 2'
+    layers, verdicts = in_sandbox_as(who, f"sandbox.run_stdio(sandbox_attacks.OWN_TMP, {cases})")
+    assert layers["mount_namespace"]  # without it /tmp and /dev/shm are the machine's, refused by Landlock
+    assert verdicts == [True, True]
 
 
 def test_case_frames_refuse_what_is_malformed():
