@@ -3,7 +3,8 @@
 A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
 seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
 (with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
-Some 580 lines: the three entry points share one run and its watch, which read best beside them.
+Some 690 lines: the three entry points share one run and its watch (and the cases' frames), which read best beside
+them.
 """
 
 from __future__ import annotations
