@@ -9,8 +9,8 @@ Started by `runner` as `python -I -S -B -c <stub> <this folder> <job fd>`; stdli
 - the program's process, which drops its privileges (a fresh uid, or no capabilities in a user namespace), restricts
   itself (no new privileges, Landlock, seccomp) and then runs the code: as `__main__` ("program" mode), or by
   serving calls from the judge, one plain-data message each way ("functions" mode). In "cases" mode the init forks
-  one such process per stdin input, each from a fresh folder, kills every process of the case when it ends and
-  reports its output to the caller.
+  one such process per stdin input, each from a fresh folder, passes its output on to the caller as it comes, and
+  kills every process of the case when it ends. The rlimits but RLIMIT_NPROC are the program's processes' alone.
 Nothing is exec'd once the privileges are gone, so a setuid binary or a new interpreter grants nothing back.
 """
 
