@@ -68,6 +68,10 @@ FORGERIES = {
 }
 
 
+# setsid, then a process group of its own where setsid left it in the sample's (the sandbox makes it a no-op)
+LEAVE_GROUP = "    os.setsid()\n    if os.getpgid(0) != os.getpid():\n        os.setpgid(0, 0)\n"
+
+
 def survivor_program(marker: str, kind: str) -> str:
     """A solution that leaves processes named `marker` behind: a fork hopper or a setsid daemon."""
     head = f"import ctypes, os, time\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
@@ -76,8 +80,9 @@ def survivor_program(marker: str, kind: str) -> str:
             "if os.fork() == 0:\n    while True:\n        try:\n            if os.fork():\n"
             "                os._exit(0)\n        except OSError:\n            pass\n"
         )
-    else:  # leaves the process group and session, then sleeps
-        body = "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+    else:  # leaves the session (where setsid works) and the process group, then sleeps
+        body = "if os.fork() == 0:\n" + LEAVE_GROUP
+        body += "    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
     return head + body + "time.sleep(0.5)\ndef add(a, b):\n    return 0\n"
 
 
@@ -266,6 +271,8 @@ def leftovers(marker: str) -> str:
         "    open('left', 'w').write('x')\n"
         "    if os.fork() == 0:\n"
         "        os.setsid()\n"
+        "        if os.getpgid(0) != os.getpid():\n"
+        "            os.setpgid(0, 0)\n"
         f"        ctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
         "        time.sleep(30)\n"
         "        os._exit(0)\n"
@@ -274,8 +281,9 @@ def leftovers(marker: str) -> str:
 
 
 def leftover_cases(pid_namespace: bool) -> list[tuple[str, str]]:
-    """What each case sees when it starts afresh (without a PID namespace, other processes are the machine's)."""
-    return [("0", f"0 [] {not pid_namespace}"), ("1", f"1 [] {not pid_namespace}")]
+    """What each case sees when it starts afresh: its own source alone (without a PID namespace, other processes are
+    the machine's)."""
+    return [(str(n), f"{n} ['solution.py'] {not pid_namespace}") for n in (0, 1)]
 
 
 def read_keys(paths: list[str]) -> str:
@@ -299,10 +307,12 @@ def can_become_nobody() -> bool:
     return os.geteuid() == 0 and SYSTEM_PYTHON is not None and SETPRIV is not None
 
 
-def as_nobody(script: str, data: Any = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def as_nobody(
+    script: str, data: Any = None, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `script` with the system interpreter as `nobody`, this package's sandbox and the attacks importable from
     a copy anyone can read (`nobody` may not read the checkout, nor pytest's temporary folders); `data` is JSON in
-    the script's `DATA`."""
+    the script's `DATA`; `env` adds to its environment."""
     import grpo_kernels.sandbox
 
     folder = Path(tempfile.mkdtemp(prefix="grpo-sandbox-copy-"))
@@ -320,7 +330,8 @@ def as_nobody(script: str, data: Any = None, timeout: float = 120) -> subprocess
         nobody = ["--reuid=65534", "--regid=65534", "--clear-groups"]
         return subprocess.run(
             [SETPRIV, *nobody, SYSTEM_PYTHON, "-I", "-c", prelude + script],
-            cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=timeout, check=False,
+            cwd="/", env={"PATH": "/usr/bin:/bin", **(env or {})}, capture_output=True, text=True, timeout=timeout,
+            check=False,
         )  # fmt: skip
     finally:
         shutil.rmtree(folder)
@@ -331,4 +342,184 @@ def as_nobody(script: str, data: Any = None, timeout: float = 120) -> subprocess
 WITHOUT_NAMESPACES = (
     "weak = sandbox.plan.weaker(sandbox.runner._plan(), user_ns=False, pid_ns=False, mount_ns=False, net_ns=False)\n"
     "sandbox.runner._probe_plan = lambda: weak\n"
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Honest Python as CPython runs it: each program prints what it would print run as `python solution.py`
+
+INTERPRETER = {  # name: (source, what it prints)
+    "exit": ("print('a')\nexit()\nprint('b')\n", "a"),
+    "quit": ("import sys\nprint(repr(quit))\nquit(0)\n", "Use quit() or Ctrl-D (i.e. EOF) to exit"),
+    "atexit": ("import atexit\natexit.register(print, 'bye')\nprint('hi')\n", "hi\nbye"),
+    "thread": (  # a non-daemon thread that outlives the module's code
+        (
+            "import threading, time\ndef late():\n    time.sleep(0.3)\n    print('late', flush=True)\n"
+            "threading.Thread(target=late).start()\n"
+        ),
+        "late",
+    ),
+    "unflushed": ("out = open(1, 'w')\nout.write('raw')\n", "raw"),
+    "tempfile": (
+        (
+            "import os, tempfile\nwith tempfile.TemporaryDirectory() as d:\n"
+            "    open(os.path.join(d, 'f'), 'w').write('ok')\n    print(open(os.path.join(d, 'f')).read())\n"
+        ),
+        "ok",
+    ),
+    "tmp": ("open('/tmp/x', 'w').write('1')\nprint(open('/tmp/x').read())\n", "1"),
+    "source": (
+        (
+            "import inspect, os\ndef f():\n    return 1\n"
+            "print(os.path.basename(__file__), inspect.getsource(f).split()[1])\n"
+        ),
+        "solution.py f():",
+    ),
+    "pickle": (
+        (
+            "import pickle\nclass Point:\n    def __init__(self, x):\n        self.x = x\n"
+            "print(pickle.loads(pickle.dumps(Point(3))).x)\n"
+        ),
+        "3",
+    ),
+    "pool": (
+        (
+            "from multiprocessing import Pool\ndef square(x):\n    return x * x\n"
+            "if __name__ == '__main__':\n    with Pool(2) as pool:\n        print(pool.map(square, range(4)))\n"
+        ),
+        "[0, 1, 4, 9]",
+    ),
+    "queue": (
+        (
+            "from multiprocessing import Process, Queue\ndef put(q):\n    q.put(5)\n"
+            "q = Queue()\np = Process(target=put, args=(q,))\np.start()\nprint(q.get())\np.join()\n"
+        ),
+        "5",
+    ),
+    "pipe": ("from multiprocessing import Pipe\na, b = Pipe()\na.send([1, 2])\nprint(b.recv())\n", "[1, 2]"),
+    "executor": (
+        (
+            "from concurrent.futures import ProcessPoolExecutor\ndef neg(x):\n    return -x\n"
+            "with ProcessPoolExecutor(2) as ex:\n    print(list(ex.map(neg, [1, 2])))\n"
+        ),
+        "[-1, -2]",
+    ),
+    "interpreter": (  # the caller's interpreter, started again
+        (
+            "import subprocess, sys\nargs = [sys.executable, '-c', 'import sys; print(sys.version)']\n"
+            "out = subprocess.run(args, capture_output=True, text=True)\n"
+            "print(out.stdout.strip() == sys.version, out.stderr[-300:])\n"
+        ),
+        "True",
+    ),
+}
+# What needs the sample's own /tmp and /dev/shm (the mount namespace): multiprocessing's locks live in /dev/shm
+NEEDS_OWN_TMP = ("tmp", "pool", "queue", "executor")
+
+
+def run_interpreter_programs(sandbox: Any, workers: int = 4) -> dict[str, list]:
+    """Every program of `INTERPRETER`: [passed, its stdout stripped, the tail of its stderr]."""
+    limits = sandbox.SandboxLimits(timeout=60, cpu_seconds=30, memory_mb=512)
+
+    def run(source: str) -> list:
+        result = sandbox.run_python(source, limits=limits)
+        return [result.passed, result.stdout.strip(), result.stderr[-600:]]
+
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(INTERPRETER, pool.map(run, [source for source, _ in INTERPRETER.values()])))
+
+
+def stdio_at_scale(sandbox: Any) -> dict[str, Any]:
+    """Large inputs and outputs, and stderr per case: what passes, and what is refused."""
+    limits = sandbox.SandboxLimits(timeout=60, cpu_seconds=30, memory_mb=512)
+    big = "ab" * (17 * 2**19)  # 17 MiB: the old per-file limit cut it at 16 in silence
+    reverse = "import sys\nsys.stdout.write(sys.stdin.read().strip()[::-1])\n"
+    large = sandbox.run_stdio(reverse, [(big, big[::-1]), ("xy", "yx")], limits=limits)
+    flood = "import sys\nprint('z' * (20 * 2**20))\nprint(input())\n"  # 20 MiB out
+    printed = sandbox.run_stdio(flood, [("1", "z" * (20 * 2**20) + "\n1")], limits=limits)
+    chatty = "import sys\nsys.stderr.write('e' * 360_000)\nprint(input())\n"  # 60 x 360 KB: 21 MB in all
+    stderr = sandbox.run_stdio(chatty, [(str(i), str(i)) for i in range(60)], limits=limits)
+    refused = []
+    for cases in ([("x" * (64 * 2**20 + 1), "")], [("1", "y" * (64 * 2**20 + 1))]):
+        try:
+            sandbox.run_stdio("print(1)", cases, limits=limits)
+        except ValueError as err:
+            refused.append(str(err))
+    try:
+        sandbox.run_python("print(1)", stdin="x" * (64 * 2**20 + 1), limits=limits)
+    except ValueError as err:
+        refused.append(str(err))
+    return {"large": large, "printed": printed, "stderr": stderr.count(True), "refused": refused}
+
+
+def many_cases(sandbox: Any, count: int = 3000) -> int:
+    """How many of `count` trivial cases pass at time_limit=1 (the init once inherited RLIMIT_CPU = 1 s)."""
+    return sandbox.run_stdio("print(input())", [(str(i), str(i)) for i in range(count)], time_limit=1).count(True)
+
+
+SESSION = (  # a child's setsid: does it leave the sample's session?
+    "import os\nsid = os.getsid(0)\npid = os.fork()\nif pid == 0:\n    os.setsid()\n"
+    "    os._exit(0 if os.getsid(0) == sid else 3)\n_, status = os.waitpid(pid, 0)\n"
+    "print(os.waitstatus_to_exitcode(status))\n"
+)
+
+
+def cpu_shares(sandbox: Any, seconds: float = 2.0) -> dict[str, Any]:
+    """On one CPU, a correct sample whose 15 children each call setsid and spin, beside two honest samples that
+    spin themselves: the CPU seconds each got in the same `seconds` of wall clock (fair: about the same)."""
+    hog = (
+        "import os, time\nfor _ in range(15):\n    if os.fork() == 0:\n        os.setsid()\n"
+        f"        end = time.monotonic() + {seconds}\n        while time.monotonic() < end:\n            pass\n"
+        "        os._exit(0)\nwhile True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break\n"
+        "t = os.times()\nprint(t.children_user + t.children_system)\n"
+    )
+    honest = (
+        f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+        "print(time.process_time())\n"
+    )
+    limits = sandbox.SandboxLimits(timeout=30 + 10 * seconds, cpu_seconds=30, memory_mb=256)
+    cpu = min(os.sched_getaffinity(0))
+
+    def pinned(source: str) -> Any:
+        os.sched_setaffinity(0, {cpu})  # this thread, and so the sandbox it starts
+        return sandbox.run_python(source, limits=limits)
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(pinned, [hog, honest, honest]))
+    if not all(r.passed for r in results):
+        return {"failed": [r.stderr[-500:] for r in results]}
+    return {"hog": float(results[0].stdout), "honest": [float(r.stdout) for r in results[1:]]}
+
+
+def fallback_report(sandbox: Any) -> dict[str, Any]:
+    """The plan on a machine where no mount namespace can be made (every probe that asks for one fails): what
+    `isolation()` says, and the warnings its first and second calls gave."""
+    import warnings
+
+    runner, real = sandbox.runner, sandbox.runner._run
+
+    def no_mount_namespace(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        if plan.mount_ns:
+            raise OSError("mount namespaces are refused here")
+        return real(plan, *args, **kwargs)
+
+    runner._run = no_mount_namespace
+    runner._probe_plan.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as first:
+            warnings.simplefilter("always")
+            layers = sandbox.isolation()
+        with warnings.catch_warnings(record=True) as second:
+            warnings.simplefilter("always")
+            sandbox.isolation()
+    finally:
+        runner._run = real
+        runner._probe_plan.cache_clear()
+    return {"layers": layers, "first": [str(w.message) for w in first], "second": [str(w.message) for w in second]}
+
+
+OWN_TMP = (  # one stdin/stdout program per case: what an earlier case left in /tmp and /dev/shm, then leave some
+    "import os\nfolder = os.path.basename(os.getcwd())\n"
+    "print([e for e in os.listdir('/tmp') if e != folder], os.listdir('/dev/shm'))\n"
+    "open('/tmp/left', 'w').write('x')\nopen('/dev/shm/left', 'w').write('x')\n"
 )

@@ -28,6 +28,7 @@ class Plan:
     landlock_abi: int
     seccomp: bool
     cgroup: str | None  # the parent cgroup (v2, memory and pids controllers) of every sample's own
+    fallback: str | None = None  # the layers the caller could have had that this machine would not set up, and why
 
 
 def weaker(plan: Plan, **changes: object) -> Plan | None:
@@ -35,6 +36,21 @@ def weaker(plan: Plan, **changes: object) -> Plan | None:
     plan = replace(plan, **changes)
     python = python_for(plan)
     return None if python is None else replace(plan, python=python)
+
+
+def missing_layers(p: Plan, root: bool, seccomp_known: bool) -> list[str]:
+    """The layers `p` lacks that its caller (root or not) could have on a machine that allows them all."""
+    wanted = [
+        ("a separate uid", root and not p.drop_uid),
+        ("a user namespace", not root and not p.user_ns),
+        ("a PID namespace", not p.pid_ns),
+        ("a mount namespace", not p.mount_ns),
+        ("a network namespace", not p.net_ns),
+        ("Landlock", not p.landlock_abi),
+        ("seccomp", seccomp_known and not p.seccomp),
+        ("a cgroup v2 of its own (memory, pids)", root and not p.cgroup),
+    ]
+    return [name for name, lacking in wanted if lacking]
 
 
 def python_for(plan: Plan) -> str | None:
@@ -118,12 +134,15 @@ def cgroup_parent() -> str | None:
         return None
     try:
         with open(os.path.join(base, "cgroup.controllers")) as f:
-            if not {"memory", "pids"} <= set(f.read().split()):
-                return None
-        write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")  # EBUSY where our cgroup has processes
+            available = set(f.read().split())
+        if not {"memory", "pids"} <= available:
+            return None
+        # cpu where it can be had: each sample one weight, however many processes or sessions it makes
+        wanted = " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in available)
+        write(os.path.join(base, "cgroup.subtree_control"), wanted)  # EBUSY where our cgroup has processes
         parent = os.path.join(base, f"grpo-sandbox-{os.getpid()}")
         os.makedirs(parent, exist_ok=True)
-        write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+        write(os.path.join(parent, "cgroup.subtree_control"), wanted)
     except OSError:
         return None
     atexit.register(remove_cgroup, parent)
@@ -139,6 +158,7 @@ def describe(p: Plan, view: object) -> dict[str, object]:
     """What `isolation()` reports for plan `p` and the sample's `view` of the filesystem (`view.View`): its layers,
     and what each limit guarantees under them."""
     return {
+        "fallback": p.fallback,
         "python": p.python,
         "callers_python": p.python == sys.executable,
         "separate_uid": p.drop_uid,
@@ -156,9 +176,11 @@ def describe(p: Plan, view: object) -> dict[str, object]:
         "quotas)"
         if p.seccomp
         else "shared with the machine: a sample can exhaust the AIO, SysV and inotify quotas while it lives",
-        "disk": "a private tmpfs of disk_mb, seen by the sample alone"
+        "disk": "a private tmpfs of disk_mb, seen by the sample alone: its folder, its /tmp and its /dev/shm"
         if p.mount_ns
-        else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file",
+        else "watched: the working folder's size, polled every 20 ms, plus RLIMIT_FSIZE per file; /tmp and /dev/shm "
+        "are the machine's (refused where Landlock applies)",
+        "cpu": _cpu(p),
         "cleanup": _cleanup(p),
         "cases": _cases(p),
         "unix_sockets": _unix_sockets(p),
@@ -213,6 +235,28 @@ def _processes(p: Plan) -> str:
     )
 
 
+def _cpu(p: Plan) -> str:
+    """How the sample's processes share the CPU with its siblings."""
+    try:
+        with open(os.path.join(p.cgroup or "", "cgroup.subtree_control")) as f:
+            if p.cgroup and "cpu" in f.read().split():
+                return "cgroup v2 cpu.weight: the whole sample is one weight, as each sibling is"
+    except OSError:
+        pass
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroups = f.read().strip() == "1"
+        with open("/proc/self/cgroup") as f:  # autogroups apply only in the root cpu cgroup
+            in_root = all(line.rstrip("\n").endswith(":/") for line in f if ":cpu" in line or line.startswith("0::"))
+    except OSError:
+        autogroups = in_root = False
+    if autogroups and in_root and p.seccomp:
+        return "the sample's session is one scheduler autogroup, as each sibling's (setsid makes no new one)"
+    if autogroups and in_root:
+        return "the sample's session is one scheduler autogroup, but without seccomp setsid makes it more"
+    return "per process: a sample's processes each compete with its siblings (no cgroup cpu controller, no autogroup)"
+
+
 def _cleanup(p: Plan) -> str:
     if _own_namespaces(p):
         return "PID namespace: its init exits when the program does, and the kernel kills every process left"
@@ -232,10 +276,13 @@ def _cases(p: Plan) -> str:
 def _unix_sockets(p: Plan) -> str:
     layers = (
         (
-            "seccomp: socket() and socketpair() fail for every family, AF_UNIX (pathname and abstract) included",
+            (
+                "seccomp: socket() fails for every family, AF_UNIX (pathname and abstract) included, and "
+                "socketpair() but for a connected AF_UNIX pair (no address: it reaches nothing but itself)"
+            ),
             p.seccomp,
         ),
-        ("the mount namespace hides /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
+        ("the mount namespace hides the machine's /tmp, /run, /dev/shm and /var/tmp", p.mount_ns),
         ("Landlock scope: abstract sockets outside the sample are refused", p.landlock_abi >= 6),
     )
     return "; ".join(layer for layer, on in layers if on) or "reachable"

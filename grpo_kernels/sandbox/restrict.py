@@ -32,7 +32,10 @@ EPERM, ENOSYS = 1, 38
 # process or escapes the memory watch: memfd, SysV shared memory and message queues, secret memory. Quotas shared
 # with the whole machine or user (AIO contexts, SysV semaphores, POSIX message queues, inotify and fanotify
 # instances): one sample could exhaust them for every other process. clone3 answers ENOSYS so that the C library
-# falls back to clone, whose flags the filter can inspect; mmap is inspected too (`SHARED_MAP_BYTES`).
+# falls back to clone, whose flags the filter can inspect; mmap is inspected too (`SHARED_MAP_BYTES`). socketpair is
+# allowed for AF_UNIX alone (multiprocessing's Pipe: a connected pair, with no address anyone else could reach).
+# setsid "succeeds" without doing anything: a session of its own would be a scheduler autogroup of its own, a share of
+# the CPU taken from the sample's siblings (the sample's processes all stay in the session it was started in).
 SYSCALLS = {
     "x86_64": {
         "socket": 41, "socketpair": 53, "ptrace": 101, "chroot": 161, "pivot_root": 155, "mount": 165,
@@ -42,7 +45,7 @@ SYSCALLS = {
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
         "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "semget": 64, "mq_open": 240,
         "io_setup": 206, "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300,
-        "clone": 56, "clone3": 435, "capset": 126, "mmap": 9,
+        "clone": 56, "clone3": 435, "capset": 126, "mmap": 9, "setsid": 112,
     },
     "aarch64": {
         "socket": 198, "socketpair": 199, "ptrace": 117, "chroot": 51, "pivot_root": 41, "mount": 40, "umount2": 39,
@@ -52,11 +55,12 @@ SYSCALLS = {
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
         "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "semget": 190, "mq_open": 180,
         "io_setup": 0, "inotify_init1": 26, "fanotify_init": 262,
-        "clone": 220, "clone3": 435, "capset": 91, "mmap": 222,
+        "clone": 220, "clone3": 435, "capset": 91, "mmap": 222, "setsid": 157,
     },
 }  # fmt: skip
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_NOT_DENIED = ("clone", "clone3", "capset", "mmap")
+_NOT_DENIED = ("clone", "clone3", "capset", "mmap", "setsid", "socketpair")
+AF_UNIX = 1
 # The largest shared anonymous mapping one mmap may make (MAP_SHARED | MAP_ANONYMOUS, the same on both
 # architectures): room for a library's small shared buffer, no more; the memory watch counts every shared mapping.
 SHARED_MAP_BYTES = 2**20
@@ -102,8 +106,11 @@ def seccomp_program(machine: str) -> bytes:
         code.append((0x35, "deny", 0, 0x40000000))  # jge: the x32 ABI numbers the same calls differently
     code += [(jeq, "deny", 0, n) for name, n in nr.items() if name not in _NOT_DENIED]
     code += [(jeq, "nosys", 0, nr["clone3"]), (jeq, "clone", 0, nr["clone"]), (jeq, "mmap", 0, nr["mmap"])]
+    code += [(jeq, "noop", 0, nr["setsid"]), (jeq, "socketpair", 0, nr["socketpair"])]
     code.append((ret, 0, 0, allow))
-    labels = {"clone": len(code)}  # every jump goes forward: each block ends in the returns below it
+    labels = {"socketpair": len(code)}  # every jump goes forward: each block ends in the returns below it
+    code += [(ld, 0, 0, arg(0)), (jeq, "allow", "deny", AF_UNIX)]  # a connected pair reaches nothing but itself
+    labels["clone"] = len(code)
     code += [(ld, 0, 0, arg(0)), (jset, "deny", "allow", CLONE_NAMESPACES)]  # clone's flags
     labels["mmap"] = len(code)  # shared and anonymous, over the bound: its length (args[1]) past 32 bits or the bound
     code += [(ld, 0, 0, arg(3)), (jset, 0, "allow", MAP_ANONYMOUS), (jset, 0, "allow", MAP_SHARED)]
@@ -113,6 +120,8 @@ def seccomp_program(machine: str) -> bytes:
     code.append((ret, 0, 0, errno | EPERM))
     labels["nosys"] = len(code)
     code.append((ret, 0, 0, errno | ENOSYS))
+    labels["noop"] = len(code)  # "succeeds" (returns 0) without doing anything
+    code.append((ret, 0, 0, errno | 0))
     labels["allow"] = len(code)
     code.append((ret, 0, 0, allow))
     out = b""
@@ -133,12 +142,13 @@ def apply_seccomp(machine: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Landlock: writes only inside the working folder, reads only the folders of the sample's view (`view`)
+# Landlock: writes only inside the sample's own folders, reads only the folders of its view (`view`)
 
 
-def apply_landlock(abi: int, workdir: str, readable: list[str], listable: list[str]) -> None:
-    """Writes only in `workdir`; reads only beneath `readable`; `listable` folders may be listed, no more (the
-    folders of the named packages: Python's import lists them; their shown entries are in `readable`)."""
+def apply_landlock(abi: int, writable: list[str], readable: list[str], listable: list[str]) -> None:
+    """Writes only beneath `writable` (the sample's own folders); reads only beneath `readable`; `listable` folders
+    may be listed, no more (the folders of the named packages: Python's import lists them; their shown entries are
+    in `readable`)."""
 
     class PathBeneath(ctypes.Structure):
         _pack_ = 1
@@ -152,7 +162,7 @@ def apply_landlock(abi: int, workdir: str, readable: list[str], listable: list[s
     ruleset = check(libc.syscall(444, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)), "landlock")
     rules = [(p, None) for p in readable] + [(p, 8) for p in listable]
     rules += [("/dev/null", 2 | 4 | (1 << 14 if abi >= 3 else 0)), ("/dev/urandom", 4), ("/dev/random", 4)]
-    rules.append((workdir, handled))
+    rules += [(p, handled) for p in writable]
     for path, access in rules:
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)

@@ -3,7 +3,8 @@
 A run is the sandboxed launcher (`launcher.py`, its own session, under the plan's namespaces, uid, Landlock and
 seccomp) and, for tests, the trusted judge (`judge.py`) that holds them. Both are stdlib-only scripts of this folder
 (with `wire` and `restrict`), started with a clean environment; they never import the rest of the package.
-Some 580 lines: the three entry points share one run and its watch, which read best beside them.
+Some 690 lines: the three entry points share one run and its watch (and the cases' frames), which read best beside
+them.
 """
 
 from __future__ import annotations
@@ -22,14 +23,25 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from . import view, wire
+from . import view
 from .cleanup import count_tasks, kill_run, oom_killed, sample_cgroup
-from .plan import Plan, cgroup_parent, counts_its_own, describe, landlock_abi_of_kernel, remove_cgroup, weaker, write
+from .plan import (
+    Plan,
+    cgroup_parent,
+    counts_its_own,
+    describe,
+    landlock_abi_of_kernel,
+    missing_layers,
+    remove_cgroup,
+    weaker,
+    write,
+)
 from .restrict import SETUP_FAILED, SYSCALLS
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -77,7 +89,8 @@ def _plan() -> Plan:
 @functools.lru_cache(maxsize=1)
 def _probe_plan() -> Plan:
     """The strongest set of layers this machine supports, each confirmed by running a program under it that
-    imports from the standard library (which a sample must be able to read)."""
+    imports from the standard library (which a sample must be able to read). A layer this caller could have but
+    that cannot be set up here is named in the plan's `fallback`, with a warning, once."""
     root = os.geteuid() == 0
     namespaces = {"user_ns": not root, "pid_ns": True, "mount_ns": True, "net_ns": True}
     plan = Plan(
@@ -85,6 +98,7 @@ def _probe_plan() -> Plan:
         seccomp=platform.machine() in SYSCALLS, cgroup=cgroup_parent() if root else None,
     )  # fmt: skip
     no_ns = dict.fromkeys(namespaces, False)
+    failures: list[str] = []
     for changes in (
         {},
         {"cgroup": None},
@@ -98,12 +112,29 @@ def _probe_plan() -> Plan:
         if candidate is None:
             continue
         try:
-            works = _run(candidate, _PROBE, SandboxLimits(timeout=30)).stdout == "42\n"
-        except OSError:  # e.g. a cgroup that refuses its limits
-            works = False
+            probe = _run(candidate, _PROBE, SandboxLimits(timeout=30))
+            works, why = probe.stdout == "42\n", probe.stderr.strip().splitlines()[-1:] or ["no output"]
+        except OSError as err:  # e.g. a cgroup that refuses its limits
+            works, why = False, [str(err)]
         if works:
-            return candidate
-    raise RuntimeError("the sandbox cannot run even a trivial program on this machine")
+            return _with_fallback(candidate, failures)
+        failures.append(why[0][:300])
+    raise RuntimeError(f"the sandbox cannot run even a trivial program on this machine: {failures[:1]}")
+
+
+def _with_fallback(plan: Plan, failures: list[str]) -> Plan:
+    """`plan`, its `fallback` naming every layer the caller could have had that it lacks (and why): a warning."""
+    missing = missing_layers(plan, os.geteuid() == 0, platform.machine() in SYSCALLS)
+    if not missing:
+        return plan
+    why = f": {failures[0]}" if failures else ""
+    fallback = f"{', '.join(missing)} could not be set up on this machine{why}"
+    warnings.warn(
+        f"grpo_kernels.sandbox: {fallback}; samples run without (see sandbox.isolation() and docs/sandbox.md)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return replace(plan, fallback=fallback)
 
 
 _PROBE = "import fractions\nprint(fractions.Fraction(84, 2))"  # a module the launcher never imported, and _decimal
@@ -129,9 +160,10 @@ def isolation() -> dict[str, object]:
 def run_python(
     source: str, *, limits: SandboxLimits | None = None, stdin: str | bytes = b"", packages: Sequence[str] = ()
 ) -> SandboxResult:
-    """Run `source` as a program in the sandbox, `stdin` as its input; `passed` when it exits with status 0.
+    """Run `source` as a program in the sandbox, `stdin` (up to `MAX_STDIO_BYTES`) as its input; `passed` when it
+    exits with status 0.
     `packages`: installed packages (top-level import names) the program may import, read only; no other is visible."""
-    return _run(_plan(), source, limits or SandboxLimits(), stdin=stdin, packages=packages)
+    return _run(_plan(), source, limits or SandboxLimits(), stdin=_sized(stdin, "stdin"), packages=packages)
 
 
 def run_tests(
@@ -168,22 +200,39 @@ def run_stdio(
     `time_limit` seconds of wall clock each (else `limits.timeout`); a case passes when the program exits 0 and its
     output equals the expected one after `normalize_output`. The comparison happens here, in the caller, which never
     sends the expected outputs into the sandbox. Each case starts from the same empty folder, and every process it
-    started dies when it ends (see `isolation()["cases"]`)."""
+    started dies when it ends (see `isolation()["cases"]`). Inputs and expected outputs of up to `MAX_STDIO_BYTES`
+    (64 MiB) each, `ValueError` naming the case above it; an output over it fails its case. Any number of cases:
+    the limits are each case's processes' own."""
     limits = limits or SandboxLimits()
     seconds = limits.timeout if time_limit is None else time_limit
-    limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))
+    limits = replace(limits, cpu_seconds=max(1, math.ceil(seconds)))  # each case's processes', not the init's
+    inputs = [_sized(given, f"cases[{i}]'s input") for i, (given, _) in enumerate(cases)]
+    for i, (_, out) in enumerate(cases):
+        _sized(out, f"cases[{i}]'s expected output")
     expected = [normalize_output(out) for _, out in cases]
     verdicts: list[bool] = []
 
     def judge(i: int, report: dict) -> bool:
         ok = report.get("status") == 0 and not report.get("timed_out") and not report.get("cut")
-        verdicts.append(ok and normalize_output(str(report.get("stdout", ""))) == expected[i])
+        verdicts.append(ok and normalize_output(report["stdout"].decode("utf-8", "replace")) == expected[i])
         return verdicts[-1]
 
-    room = max(limits.max_output_bytes, 2 * max((len(out) for _, out in cases), default=0) + 4096)
-    work = Cases([given for given, _ in cases], seconds, room, judge, stop_at_first_failure)
+    work = Cases(inputs, seconds, MAX_STDIO_BYTES, judge, stop_at_first_failure)
     _run(_plan(), program, limits, cases=work, packages=packages)
     return verdicts + [False] * (len(cases) - len(verdicts))
+
+
+MAX_STDIO_BYTES = 64 * 2**20  # of a stdin/stdout case's input, and of its output (a longer one fails the case)
+
+
+def _sized(text: str | bytes, what: str) -> bytes:
+    """`text` as bytes, refused by name over `MAX_STDIO_BYTES`."""
+    data = text.encode() if isinstance(text, str) else text
+    if not isinstance(data, bytes):
+        raise TypeError(f"{what} must be str or bytes, got {type(text).__name__}")
+    if len(data) > MAX_STDIO_BYTES:
+        raise ValueError(f"{what} is {len(data)} bytes, over the sandbox's limit of {MAX_STDIO_BYTES} (64 MiB)")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,10 +289,10 @@ def _run(
         with _memory_file() as out, _memory_file() as err, _memory_file() as given:
             given.write(stdin.encode() if isinstance(stdin, str) else stdin)
             given.seek(0)
-            ends = _Ends.open(pipes, tests=tests is not None, cases=cases is not None)
+            ends = _Ends.open(pipes, tests=tests is not None, cases=cases)
             job = _job(plan, program, limits, uid, workdir, seen, cgroup, ends, cases)
             start = time.monotonic()
-            sandbox = _start_launcher(plan, workdir, given, out, err, ends)
+            sandbox = _start_launcher(plan, workdir, str(job["folder"]), given, out, err, ends)
             procs.append(sandbox)
             if cgroup:
                 write(os.path.join(cgroup, "cgroup.procs"), str(sandbox.pid))  # before it reads its job
@@ -281,10 +330,11 @@ class _Ends:
     calls: tuple[int, int] | None = None  # tests: the judge's calls into the solution
     replies: tuple[int, int] | None = None  # tests: the solution's replies
     verdict: tuple[int, int] | None = None  # tests: the judge's verdict
+    inputs: int | None = None  # cases: every input, one after the other, in a file in memory
 
     @classmethod
-    def open(cls, pipes: list[int], *, tests: bool, cases: bool) -> _Ends:
-        """The pipes a run needs, each end listed in `pipes`."""
+    def open(cls, pipes: list[int], *, tests: bool, cases: Cases | None) -> _Ends:
+        """The pipes a run needs (and the cases' inputs), each end listed in `pipes`."""
 
         def pipe() -> tuple[int, int]:
             r, w = os.pipe()
@@ -292,8 +342,14 @@ class _Ends:
             return r, w
 
         ends = cls(pipe(), pipe())
-        if cases:
+        if cases is not None:
             ends.reports = pipe()
+            ends.inputs = os.memfd_create("grpo-sandbox-inputs", os.MFD_CLOEXEC)
+            pipes.append(ends.inputs)
+            for given in cases.inputs:
+                view = memoryview(given)
+                while view:
+                    view = view[os.write(ends.inputs, view) :]
         if tests:
             ends.calls, ends.replies, ends.verdict = pipe(), pipe(), pipe()
         return ends
@@ -311,7 +367,7 @@ class _Ends:
         """The ends the launcher passes on to the sample (the job's "fds")."""
         if self.calls is not None and self.replies is not None:
             return [self.calls[0], self.replies[1]]
-        return [self.reports[1]] if self.reports is not None else []
+        return [self.reports[1], self.inputs] if self.reports is not None and self.inputs is not None else []
 
     @property
     def judge_fds(self) -> list[int]:
@@ -347,12 +403,17 @@ def _job(
     ends: _Ends,
     cases: Cases | None,
 ) -> dict[str, object]:
-    """What the launcher is to do, as it reads it from its job pipe."""
+    """What the launcher is to do, as it reads it from its job pipe. The sample's folder: in the mount namespace, one
+    in its own /tmp, whatever the caller's temporary folder is; without one, the caller's `workdir`."""
+    folder = os.path.join("/tmp", os.path.basename(workdir)) if plan.mount_ns else workdir
     job: dict[str, object] = {
         "mode": "functions" if ends.calls is not None else "cases" if cases is not None else "program",
         "program": program,
         "uid": uid,
         "workdir": workdir,
+        "folder": folder,
+        "writable": ["/tmp", "/dev/shm"] if plan.mount_ns else [workdir],
+        "executable": os.path.realpath(plan.python),
         "rlimits": _rlimits(plan, uid, limits),
         "namespaces": {"user": plan.user_ns, "pid": plan.pid_ns, "mount": plan.mount_ns, "net": plan.net_ns},
         "disk_bytes": limits.disk_mb * 2**20,
@@ -368,7 +429,11 @@ def _job(
         "status_fd": ends.status[1],
     }
     if cases is not None:
-        job |= {"cases": cases.inputs, "case_seconds": cases.seconds, "output_bytes": cases.output_bytes}
+        job |= {
+            "case_sizes": [len(given) for given in cases.inputs],
+            "case_seconds": cases.seconds,
+            "output_bytes": cases.output_bytes,
+        }
     return job
 
 
@@ -376,10 +441,11 @@ _PATH = "/usr/bin:/bin"  # the children's PATH
 
 
 def _start_launcher(
-    plan: Plan, workdir: str, given: BinaryIO, out: BinaryIO, err: BinaryIO, ends: _Ends
+    plan: Plan, workdir: str, folder: str, given: BinaryIO, out: BinaryIO, err: BinaryIO, ends: _Ends
 ) -> subprocess.Popen:
-    """The sandboxed launcher, in a session of its own, with a clean environment; it waits for its job."""
-    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, **_ONE_THREAD}
+    """The sandboxed launcher, in a session of its own, with a clean environment; it waits for its job. `folder`:
+    the sample's own, as it sees it."""
+    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": folder, "TMPDIR": folder, **_ONE_THREAD}
     return subprocess.Popen(
         [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(ends.job[0])],
         stdin=given, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True,
@@ -459,7 +525,7 @@ def _result(outcome: _Outcome, tests: bool, nonce: str | None, cgroup: str | Non
 class Cases:
     """The stdin/stdout form within one run: the inputs go in, one report per case comes back in `reports`."""
 
-    inputs: list[str]
+    inputs: list[bytes]
     seconds: float  # wall clock per case, timed by the sandbox's runner and, with `_GRACE`, here
     output_bytes: int
     judge: Callable[[int, dict], bool]  # a case's verdict from its report; False ends the run when `stop` is set
@@ -474,27 +540,72 @@ def _collect(cases: Cases, fd: int, deadline: float, workdir: str, watch_disk: i
     """Read the case reports until all came, one came late, or a verdict stops the run: over the disk quota?
     Each report must arrive within its case's limit (and `_GRACE`) of the one before, `deadline` for the first:
     the runner inside the sandbox times the cases, and this is the check that does not trust it."""
-    reader = wire.Reader(fd)
+    frames = _Frames(fd, cases.output_bytes)
     due = deadline + cases.seconds
     while len(cases.reports) < len(cases.inputs):
-        left = due - time.monotonic()
-        if left <= 0:
-            return False
-        if not select.select([fd], [], [], min(left, 0.02) if watch_disk is not None else left)[0]:
-            if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
-                return True
-            continue
         try:
-            report = reader.receive()
-        except wire.NotPlain:
+            report = frames.next()
+        except ValueError:
             return False
-        if report is None or report.get("case") != len(cases.reports):
+        if report is None:
+            left = due - time.monotonic()
+            if left <= 0:
+                return False
+            if not select.select([fd], [], [], min(left, 0.02) if watch_disk is not None else left)[0]:
+                if watch_disk is not None and _folder_bytes(workdir) > watch_disk:
+                    return True
+                continue
+            if not frames.fill():
+                return False  # the sandbox ended before its last report
+            continue
+        if report.get("case") != len(cases.reports):
             return False
         cases.reports.append(report)
         if not cases.judge(len(cases.reports) - 1, report) and cases.stop:
             return False
         due = time.monotonic() + cases.seconds + _GRACE
     return False
+
+
+class _Frames:
+    """The case reports as the sandbox's init sends them: a JSON line per frame; a frame with `out` is followed by
+    that many bytes of the case's stdout, and the case's last frame (its status) completes its report."""
+
+    def __init__(self, fd: int, output_bytes: int) -> None:
+        self.fd, self.limit = fd, output_bytes
+        self.buffer = bytearray()
+        self.output: list[bytes] = []
+        self.size = 0
+
+    def fill(self) -> bool:
+        chunk = os.read(self.fd, 2**20)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def next(self) -> dict | None:
+        """The next whole report (stdout as bytes), None until one has come; `ValueError` for a malformed frame."""
+        while True:
+            end = self.buffer.find(b"\n", 0, 4096)
+            if end < 0:
+                if len(self.buffer) >= 4096:
+                    raise ValueError("a frame header over 4 KiB")
+                return None
+            header = json.loads(self.buffer[:end])
+            if not isinstance(header, dict):
+                raise ValueError("a frame that is not a JSON object")
+            if "out" not in header:
+                del self.buffer[: end + 1]
+                header["stdout"] = b"".join(self.output)
+                self.output, self.size = [], 0
+                return header
+            size = header["out"]
+            if type(size) is not int or size < 0 or self.size + size > self.limit:
+                raise ValueError("an output frame over the limit")
+            if len(self.buffer) < end + 1 + size:
+                return None
+            self.output.append(bytes(self.buffer[end + 1 : end + 1 + size]))
+            self.size += size
+            del self.buffer[: end + 1 + size]
 
 
 def _close(fd: int, pipes: list[int]) -> None:

@@ -30,15 +30,23 @@ class View:
     path: list[str]  # the folders of the named packages, appended to the sample's sys.path
 
 
+_PROBE = (
+    "import sys, json, os\n"
+    "libs = {line.split()[-1] for line in open('/proc/self/maps') if '/libpython' in line}\n"
+    "files = [os.path.realpath(sys.executable), *sorted(map(os.path.realpath, libs))]\n"
+    "print(json.dumps([sys.path, sys.base_prefix, sys.base_exec_prefix, sys.version, files]))"
+)
+
+
 def interpreter(python: str) -> dict:
     """The folders `python -I -S` imports from (its standard library) and its prefixes, where its own package
-    folders are (asked of it: it may not be ours)."""
-    probe = "import sys, json; print(json.dumps([sys.path, sys.base_prefix, sys.base_exec_prefix, sys.version]))"
+    folders are, and the files that run it: its executable and its libpython, if it has one (asked of it: it may
+    not be ours)."""
     out = subprocess.run(
-        [python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60, check=True, env={}
+        [python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True, env={}
     )  # fmt: skip
-    path, prefix, exec_prefix, version = json.loads(out.stdout)
-    return {"path": path, "prefixes": [prefix, exec_prefix], "version": version}
+    path, prefix, exec_prefix, version, files = json.loads(out.stdout)
+    return {"path": path, "prefixes": [prefix, exec_prefix], "version": version, "files": files}
 
 
 def view_of(python: dict, packages: dict[str, list[str]], private_home: bool, also_hide: list[str]) -> View:
@@ -57,6 +65,7 @@ def view_of(python: dict, packages: dict[str, list[str]], private_home: bool, al
     if private_home:
         hidden.update(p for p in map(_closed_ancestor, roots) if p)
     entries = [os.path.realpath(os.path.join(site, e)) for site, names in packages.items() for e in names]
+    entries += python.get("files", [])  # the sample may start its interpreter again (`sys.executable`)
     # a hidden folder around a root (a private home) is the mount namespace's business, not Landlock's
     read = [p for r in roots for p in _readable(r, {h for h in hidden if not _inside(r, h)})] + entries
     # a standard library under /usr/local or a private home is bound back, its own package folders hidden again
