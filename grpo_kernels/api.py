@@ -22,7 +22,7 @@ from .dispatch import pick_backend, scale_
 from .distributed import resolve_data_group
 from .loss_math import TokenInputs, coefficients, entropy_bonus_weights, objective_coefficients, per_token_objective
 from .ops.backend import RowBackend
-from .validation import check_ids, check_ids_range, check_logits, value_guard
+from .validation import check_ids, check_logits, layer_guard, masked_tokens
 from .vocab_parallel import ShardBackend, shard_offset
 
 
@@ -177,6 +177,7 @@ def selective_log_softmax(
     *,
     backend: str = "auto",
     check_inputs: bool = False,
+    completion_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token and the entropy of each row, without a full log_softmax.
 
@@ -187,6 +188,9 @@ def selective_log_softmax(
             token's ℓ and H are NaN, and so is its row of the gradient.
         temperature: τ > 0; the distribution is softmax(logits / τ).
         check_inputs: raise a ValueError for an id outside [0, V) instead (one host sync).
+        completion_mask: [B, T] bool/int/float, 0 = a padding token: its id is ignored (-100, Hugging Face's
+            label padding, or any other value; never read, never checked) and its ℓ and H are 0. Default: every
+            token counts.
     Returns:
         (logp, entropy), each [B, T] float32 (float64 for float64 logits), differentiable w.r.t. `logits` through
         both.
@@ -197,11 +201,9 @@ def selective_log_softmax(
     temperature = LossConfig(temperature=temperature).temperature
     check_inputs = LossConfig(check_inputs=check_inputs).check_inputs
     row_backend = pick_backend(logits.device, backend, logits.dtype)
-    if check_inputs:
-        check_ids_range(ids, vocab)
-    guard = value_guard(ids, vocab)
+    guard, active = layer_guard(ids, vocab, completion_mask, check_inputs)
     logp, entropy = _SelectiveLogSoftmax.apply(logits, guard.ids, temperature, row_backend)
-    return guard.tokens(logp), guard.tokens(entropy)
+    return masked_tokens(guard.tokens(logp), active), masked_tokens(guard.tokens(entropy), active)
 
 
 def grpo_loss(
