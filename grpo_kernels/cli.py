@@ -46,17 +46,23 @@ def _optional(convert: Any) -> Any:
     return parse
 
 
+# TRL's flag names for ours, where the two differ: accepted beside ours
+TRL_FLAGS = {"epsilon_low": "--epsilon", "lr_scheduler": "--lr-scheduler-type"}
+
+
 def _add_flag(parser: argparse.ArgumentParser, name: str, kind: str, default: Any, help_text: str) -> None:
-    """`--name-with-dashes`, typed from the annotation `kind` ("int", "float | None", "bool", ...)."""
+    """`--name-with-dashes` (and TRL's name for it, `TRL_FLAGS`), typed from the annotation `kind` ("int",
+    "float | None", "bool", ...)."""
     flag = "--" + name.replace("_", "-")
+    flags = [flag, TRL_FLAGS[name]] if name in TRL_FLAGS else [flag]
     kind = kind.replace(" ", "")
     help_text = f"{help_text} (default: {default})"
     if kind == "bool":  # --x / --no-x
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         return
     base = kind.removesuffix("|None")
     convert = _TYPES[base] if base == kind else _optional(_TYPES[base])
-    parser.add_argument(flag, dest=name, type=convert, default=default, metavar=base.upper(), help=help_text)
+    parser.add_argument(*flags, dest=name, type=convert, default=default, metavar=base.upper(), help=help_text)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

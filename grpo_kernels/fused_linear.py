@@ -74,7 +74,7 @@ def _prepare(
     weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
-    ids = check_ids(completion_ids, batch, length, hidden.device)
+    ids = check_ids(completion_ids, batch, length, hidden.device, rows="hidden")
     tile_backend: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
     vocab = weight.shape[0]
     if vocab_parallel_group is not None:

@@ -60,9 +60,15 @@ def check_logits(logits: Any) -> torch.Tensor:
     return logits
 
 
-def check_ids(ids: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
+def check_ids(ids: Any, batch: int, length: int, device: torch.device, rows: str = "logits") -> torch.Tensor:
     """Shape and dtype; the value range, where the vocabulary size is known: on the device (`value_guard`), or read
-    back with check_inputs=True (`check_values`, `check_ids_range`)."""
+    back with check_inputs=True (`check_values`, `check_ids_range`). `rows`: what scores the ids (logits, hidden)."""
+    if isinstance(ids, torch.Tensor) and tuple(ids.shape) == (batch, length - 1):
+        raise ValueError(
+            f"{rows} have one position more than completion_ids ({rows} {length} positions, completion_ids "
+            f"{length - 1}): {rows}[:, t] must score completion_ids[:, t] (already shifted); pass {rows}[:, :-1], "
+            f"or of a model's whole output full_{rows}[:, -T-1:-1] with T = completion_ids.shape[1]"
+        )
     ids = check_tensor("completion_ids", ids, ((batch, length),), device)
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"completion_ids must be int32/int64, got {ids.dtype}")

@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the argument, never a crash or a silent wrong number."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,15 @@ CASES = [
     (dict(logits=torch.randn(0, T, V)), ValueError, "B, T, V >= 1"),
     (dict(completion_ids=torch.randint(0, V, (B, T)).float()), TypeError, "completion_ids must be int32/int64"),
     (dict(completion_ids=torch.zeros(B, T + 1, dtype=torch.long)), ValueError, "completion_ids must have shape"),
+    # a model's logits not shifted (T + 1 positions for T ids): named as the logits' fault, with the slice to take
+    (
+        dict(completion_ids=torch.zeros(B, T - 1, dtype=torch.long)),
+        ValueError,
+        (
+            f"logits have one position more than completion_ids (logits {T} positions, completion_ids {T - 1}): "
+            "logits[:, t] must score completion_ids[:, t] (already shifted); pass logits[:, :-1]"
+        ),
+    ),
     (dict(advantages=torch.randn(B, T, 1)), ValueError, "advantages must have shape"),
     (dict(advantages=torch.ones(B, dtype=torch.long)), TypeError, "advantages must be a floating-point"),
     (dict(advantages=[1.0, 2.0]), TypeError, "advantages must be a torch.Tensor"),
@@ -59,7 +69,8 @@ CASES = [
     (dict(epsilon_low=-0.1), ValueError, "epsilon_low and epsilon_high must be >= 0"),
     (dict(importance_sampling_ratio=torch.ones(B, 2)), ValueError, "importance_sampling_ratio must have shape"),
     (dict(max_completion_length=0), ValueError, "max_completion_length must be > 0"),
-    (dict(epsilon=0.2), TypeError, "unknown option(s) ['epsilon']"),
+    (dict(epsilon_lo=0.2), TypeError, "unknown option(s) ['epsilon_lo'] ('epsilon_lo': did you mean 'epsilon_low'"),
+    (dict(epsilon=0.2, epsilon_low=0.1), TypeError, "both epsilon (TRL's name) and epsilon_low"),
     (dict(inplace_backward=1), TypeError, "inplace_backward must be a bool"),
     (dict(config={"loss_type": "dapo"}), TypeError, "config must be a LossConfig or None, got dict"),
     (dict(config=LossConfig(), beta="0.1"), TypeError, "beta must be a real number"),  # options over a config
@@ -150,8 +161,8 @@ def test_config_and_options_are_one_validated_config():
 
 def test_fused_linear_options_are_checked_once_by_name():
     ids, adv = torch.zeros(1, 2, dtype=torch.long), torch.ones(1)
-    with pytest.raises(TypeError, match=r"fused_linear_grpo_loss got unknown option\(s\) \['epsilon'\]"):
-        fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, epsilon=0.2)
+    with pytest.raises(TypeError, match=r"fused_linear_grpo_loss got unknown option\(s\) \['eps'\]"):
+        fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, eps=0.2)
     with pytest.raises(TypeError, match="config must be a LossConfig"):
         fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, config="grpo")
 
@@ -492,3 +503,27 @@ def test_per_token_layers_take_a_completion_mask_for_padded_ids():
         selective_log_softmax(logits, padded, check_inputs=True)  # unmasked: the documented error
     with pytest.raises(ValueError, match="completion_mask must have shape"):
         selective_log_softmax(logits, padded, completion_mask=mask[:, :2])
+
+
+def test_trl_names_and_defaults():
+    """TRL's `epsilon` is our `epsilon_low`, eager and compiled; every default is TRL 1.16 GRPOConfig's but for the
+    ones `TRL_DEFAULTS_THAT_DIFFER` lists (which docs/loss.md states)."""
+    from grpo_kernels.config import TRL_DEFAULTS_THAT_DIFFER, TRL_NAMES
+
+    kwargs = {**good(), "old_logp": torch.randn(B, T)}
+    want = grpo_loss(backend="torch", epsilon_low=0.05, **kwargs).loss
+    torch.testing.assert_close(grpo_loss(backend="torch", epsilon=0.05, **kwargs).loss, want, rtol=0, atol=0)
+    assert GRPOLoss(epsilon=0.05).config == LossConfig(epsilon_low=0.05)
+    torch.testing.assert_close(_compiled(**kwargs, epsilon=0.05)[0].loss, want)
+    trl = pytest.importorskip("trl")
+    from dataclasses import fields
+
+    theirs = {f.name: f.default for f in fields(trl.GRPOConfig)}
+    ours = {f.name: f.default for f in fields(LossConfig)}
+    for trl_name, name in TRL_NAMES.items():
+        theirs[name] = theirs.pop(trl_name)
+    differ = {k: theirs[k] for k in ours.keys() & theirs.keys() if theirs[k] != ours[k]}
+    assert differ == TRL_DEFAULTS_THAT_DIFFER
+    text = (Path(__file__).parents[1] / "docs" / "loss.md").read_text()
+    for name, value in TRL_DEFAULTS_THAT_DIFFER.items():
+        assert f"| `{name}` | `{ours[name]!r}` | `{value!r}` |" in text, name

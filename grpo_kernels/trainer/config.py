@@ -21,7 +21,7 @@ TRAINER_LOSS_DEFAULTS: dict[str, Any] = {"beta": 0.04}
 LOSS_HELP = {
     "loss_type": f"one of {', '.join(LOSS_TYPES)}",
     "beta": "KL penalty to the reference (the base model, adapter disabled); >= 0",
-    "epsilon_low": "lower clip range",
+    "epsilon_low": "lower clip range (TRL's name: --epsilon)",
     "epsilon_high": "upper clip range (default: epsilon_low); cispo's absolute cap",
     "delta": "two-sided clipping bound on the ratio",
     "importance_sampling_level": '"token" or "sequence" (GSPO)',
@@ -91,12 +91,18 @@ class TrainConfig:
     model: str = _help("model folder or Hugging Face hub id", "")
     dataset: str = _help(DATA_FORMATS, "")
     dataset_config: str | None = _help("the dataset's configuration name (hub datasets)", None)
-    dataset_split: str = _help("the split to train on", "train")
+    dataset_split: str = _help(
+        "the split of a hub dataset to train on (a local file is one split: another value is refused there)", "train"
+    )
     num_examples: int | None = _help(
         "reasoning-gym: examples generated per task, from --seed (default: 1000); other datasets use every row", None
     )
     prompt_column: str = _help("column holding the prompt: text, or a list of chat messages", "prompt")
-    answer_column: str = _help("column holding the gold answer (for accuracy_reward)", "answer")
+    answer_column: str = _help(
+        "column holding the gold answer (for accuracy_reward); left at its default, TRL's 'solution' column is taken "
+        "where a row has no 'answer'",
+        "answer",
+    )
     tests_column: str = _help("column holding the test code (for code_reward)", "tests")
     system_prompt: str = _help('"r1" (DeepSeek-R1\'s prompt), "none", or the literal text of a system prompt', "r1")
     chat_template: bool = _help("use the tokenizer's chat template when it has one", True)
@@ -131,7 +137,7 @@ class TrainConfig:
     num_iterations: int = _help("policy updates per rollout batch (mu)", 1)
     gradient_accumulation_steps: int = _help("micro-batches each rollout batch is split into", 1)
     learning_rate: float = _help("peak learning rate", 1e-5)
-    lr_scheduler: str = _help('"cosine" or "constant"', "cosine")
+    lr_scheduler: str = _help('"cosine" or "constant" (TRL\'s name: --lr-scheduler-type)', "cosine")
     warmup_steps: int = _help("optimizer steps of linear warm-up", 0)
     weight_decay: float = _help("AdamW weight decay", 0.0)
     adam_beta1: float = _help("AdamW beta1", 0.9)
@@ -148,7 +154,7 @@ class TrainConfig:
     dtype: str = _help('"auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16" or "float16"', "auto")
     num_threads: int = _help("torch CPU threads (0: torch's default)", 0)
     save_steps: int = _help("checkpoint every this many steps (0: only at the end)", 50)
-    save_total_limit: int = _help("checkpoints kept (oldest removed first)", 2)
+    save_total_limit: int = _help("checkpoints kept, the oldest removed first (0: keep every checkpoint)", 2)
     resume: bool = _help("continue from the newest complete checkpoint in output_dir", False)
     overwrite: bool = _help("replace the run already in output_dir (its metrics, checkpoints, adapter, plot)", False)
     allow_config_change: bool = _help(

@@ -89,6 +89,16 @@ def load_data(cfg: TrainConfig, reward_funcs: Sequence[RewardFunc]) -> TrainData
             f"--num-examples applies to reasoning-gym task suites (--dataset reasoning-gym:NAME), not to "
             f"--dataset {cfg.dataset!r}, whose rows are all used"
         )
+    if os.path.exists(cfg.dataset):
+        for flag, value, default in (
+            ("--dataset-split", cfg.dataset_split, "train"),
+            ("--dataset-config", cfg.dataset_config, None),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"{flag} {value!r} applies to hub datasets, not to the local file --dataset {cfg.dataset!r}: a "
+                    "local file is one split, all of whose rows are used"
+                )
     rows, locate = read_rows(cfg.dataset, split=cfg.dataset_split, config_name=cfg.dataset_config)
     columns = Columns(cfg.prompt_column, cfg.answer_column, cfg.tests_column)
     check_rows(rows, columns, funcs, f"dataset {cfg.dataset!r}", locate)
