@@ -90,7 +90,7 @@ TracedConfig = namedtuple("TracedConfig", list(OPTION_DEFAULTS))
 def traced_config(options: dict[str, Any], config: LossConfig | None = None) -> TracedConfig:
     """The options (over `config`'s fields, or the defaults) as dynamo can trace them (plain attributes);
     validated by `validate_config` in the graph."""
-    check_option_names(options)
+    check_option_names(options, hint=False)
     options = trl_names(options)
     values = dict(OPTION_DEFAULTS) if config is None else {name: getattr(config, name) for name in OPTION_DEFAULTS}
     values.update(options)

@@ -180,13 +180,13 @@ def trl_names(options: dict[str, Any], where: str = "grpo_loss") -> dict[str, An
     return out
 
 
-def check_option_names(options: dict[str, Any], where: str = "grpo_loss") -> None:
+def check_option_names(options: dict[str, Any], where: str = "grpo_loss", hint: bool = True) -> None:
     """TypeError for any option that is not a `LossConfig` field (TRL's names of `TRL_NAMES` are translated
-    first), with the closest names as a hint."""
+    first), with the closest names as a hint (`hint`; not under torch.compile, which cannot trace difflib)."""
     unknown = set(options) - OPTION_DEFAULTS.keys() - TRL_NAMES.keys()
     if unknown:
         hints = []
-        for name in sorted(unknown):
+        for name in sorted(unknown) if hint else ():
             close = difflib.get_close_matches(name, [*OPTION_DEFAULTS, *TRL_NAMES], n=2, cutoff=0.6)
             if close:
                 hints.append(f"{name!r}: did you mean {' or '.join(map(repr, close))}?")
