@@ -196,6 +196,13 @@ class TrainConfig:
                 "minus the mean of its group of num_generations completions, so a group of one has advantage 0 and "
                 "nothing is learned"
             )
+        sequences = self.prompts_per_step * self.num_generations
+        if self.gradient_accumulation_steps > sequences:
+            raise ValueError(
+                f"gradient_accumulation_steps must be at most the {sequences} sequences of a rollout batch "
+                f"(prompts_per_step x num_generations), got {self.gradient_accumulation_steps}: each micro-batch "
+                "needs at least one"
+            )
         for name in (
             "warmup_steps",
             "save_steps",

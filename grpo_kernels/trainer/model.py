@@ -6,7 +6,6 @@ The reference policy is the same model with its adapter disabled, so no second c
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import resource
 import warnings
@@ -116,9 +115,15 @@ def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch
 
 
 def micro_batches(n: int, cfg: TrainConfig) -> list[slice]:
-    """The rollout batch of n sequences cut into `gradient_accumulation_steps` micro-batches."""
-    size = math.ceil(n / cfg.gradient_accumulation_steps)
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    """The rollout batch of n sequences cut into exactly `gradient_accumulation_steps` micro-batches, as even as
+    they come (sizes differ by at most one; the loss weighs each by its share, `loop.micro_batch_share`)."""
+    k = cfg.gradient_accumulation_steps
+    if k > n:
+        raise ValueError(
+            f"gradient_accumulation_steps={k} is more than the {n} sequences of a rollout batch on this process "
+            "(prompts_per_step x num_generations / processes): each micro-batch needs at least one"
+        )
+    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def accepts_logits_to_keep(model: Any) -> bool:
