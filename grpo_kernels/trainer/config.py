@@ -7,6 +7,7 @@ they are fields of the trainer, copied into `cfg.loss`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -227,6 +228,8 @@ class TrainConfig:
             '"auto", "float32", "bfloat16" or "float16"',
         )
         check(self.logging_steps >= 1, "logging_steps", ">= 1")
+        check(_is_device(self.device), "device", '"auto", "cpu", "cuda" or "cuda:<index>" (a torch device)')
+        self.parsed_reward_weights(None)  # numbers, or an error naming the flag
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: continue the run in output_dir, or replace it")
         if isinstance(self.loss, dict):  # as to_dict() wrote it
@@ -240,12 +243,21 @@ class TrainConfig:
         """The keyword options of `grpo_loss` this config sets (all but those the loop fills in per batch)."""
         return {k: v for k, v in asdict(self.loss).items() if k not in LOOP_SET_LOSS_OPTIONS}
 
-    def parsed_reward_weights(self, num_funcs: int) -> list[float]:
-        """`reward_weights` as numbers, one per reward function (all 1 when it is empty)."""
+    def parsed_reward_weights(self, num_funcs: int | None) -> list[float]:
+        """`reward_weights` as numbers, one per reward function (all 1 when it is empty; `num_funcs` None: as many
+        as it lists)."""
         if not self.reward_weights.strip():
-            return [1.0] * num_funcs
-        weights = [float(w) for w in self.reward_weights.split(",")]
-        if len(weights) != num_funcs:
+            return [1.0] * (num_funcs or 0)
+        try:
+            weights = [float(w) for w in self.reward_weights.split(",")]
+        except ValueError:
+            weights = []
+        if not weights or not all(math.isfinite(w) for w in weights):
+            raise ValueError(
+                f"reward_weights must be comma-separated finite numbers, one per reward function (e.g. 1,0.5), got "
+                f"{self.reward_weights!r}"
+            )
+        if num_funcs is not None and len(weights) != num_funcs:
             raise ValueError(f"reward_weights must have {num_funcs} entries (one per reward function), got {weights}")
         return weights
 
@@ -276,6 +288,18 @@ class TrainConfig:
         `to_dict()`; names that only one of the two versions knows are left out."""
         a, b = _flatten(saved), _flatten(self.to_dict())
         return {k: (a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k] != b[k]}
+
+
+def _is_device(name: str) -> bool:
+    if name == "auto":
+        return True
+    import torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
 
 
 def _flatten(values: dict[str, Any]) -> dict[str, Any]:

@@ -28,10 +28,11 @@ from ..rewards import RewardFunc
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .completions import completion_records, console_lines
 from .config import TrainConfig
-from .data import TrainData, load_data, load_reward_funcs, prompt_indices, rows_data
+from .data import TrainData, load_data, load_reward_funcs, prompt_indices, rendered_prompts, rows_data
 from .dist import World, all_reduce_, barrier, init_distributed, max_over_ranks, rank_device, together, wrap_ddp
 from .model import (
     add_lora,
+    check_context,
     completion_logits,
     load_model,
     make_optimizer,
@@ -173,6 +174,7 @@ class Run:
     progress: Progress
     start: int  # the step to start from: 0, or the resumed checkpoint's
     records: list[dict[str, Any]]  # one per step done, as in metrics.jsonl; the loop appends each step's
+    unscored_noted: bool = False  # the note that some completions got no reward has been shown (it is shown once)
 
 
 def _setup(
@@ -194,6 +196,7 @@ def _setup(
         elif tokenizer is None:
             raise ValueError("a tokenizer must come with the model")
         tokenizer = prepare_tokenizer(tokenizer)
+        check_context(model, tokenizer, rendered_prompts(tokenizer, data, cfg), cfg)
         model = add_lora(model.to(device), cfg)
         model.train()  # from_pretrained returns eval mode; old/ref log-probs and updates all see the same mode
         optimizer = make_optimizer(model, cfg)
@@ -321,6 +324,12 @@ def _log_and_save(
         logs.completions.append(samples)
     run.progress.step(record)
     run.progress.show(console_lines(samples))
+    if record.get("frac_reward_none") and not run.unscored_noted:
+        run.unscored_noted = True
+        run.progress.note(
+            f"step {step}: {record['frac_reward_none']:.0%} of the completions got no value from any reward (each "
+            "returned None or NaN); they count 0, as in TRL (frac_reward_none in metrics.jsonl, noted once)"
+        )
     if warn_after is not None:
         run.progress.note(zero_variance_warning(warn_after, cfg, record, _completions_hint(cfg, run.out_dir)))
     if not save:
