@@ -197,13 +197,7 @@ class TrainConfig:
                 "minus the mean of its group of num_generations completions, so a group of one has advantage 0 and "
                 "nothing is learned"
             )
-        sequences = self.prompts_per_step * self.num_generations
-        if self.gradient_accumulation_steps > sequences:
-            raise ValueError(
-                f"gradient_accumulation_steps must be at most the {sequences} sequences of a rollout batch "
-                f"(prompts_per_step x num_generations), got {self.gradient_accumulation_steps}: each micro-batch "
-                "needs at least one"
-            )
+        self._check_batch()
         for name in (
             "warmup_steps",
             "save_steps",
@@ -229,7 +223,6 @@ class TrainConfig:
         )
         check(self.logging_steps >= 1, "logging_steps", ">= 1")
         check(_is_device(self.device), "device", '"auto", "cpu", "cuda" or "cuda:<index>" (a torch device)')
-        self.parsed_reward_weights(None)  # numbers, or an error naming the flag
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: continue the run in output_dir, or replace it")
         if isinstance(self.loss, dict):  # as to_dict() wrote it
@@ -238,6 +231,17 @@ class TrainConfig:
             raise TypeError(f"loss must be a grpo_kernels.LossConfig, got {type(self.loss).__name__}")
         # sampling and the loss share the temperature and the length limit (dr_grpo's normalizer)
         self.loss = replace(self.loss, temperature=self.temperature, max_completion_length=self.max_completion_length)
+
+    def _check_batch(self) -> None:
+        """The micro-batches fit the rollout batch; the reward weights are numbers (each error names its flag)."""
+        sequences = self.prompts_per_step * self.num_generations
+        if self.gradient_accumulation_steps > sequences:
+            raise ValueError(
+                f"gradient_accumulation_steps must be at most the {sequences} sequences of a rollout batch "
+                f"(prompts_per_step x num_generations), got {self.gradient_accumulation_steps}: each micro-batch "
+                "needs at least one"
+            )
+        self.parsed_reward_weights(None)
 
     def loss_options(self) -> dict[str, Any]:
         """The keyword options of `grpo_loss` this config sets (all but those the loop fills in per batch)."""
