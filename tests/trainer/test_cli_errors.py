@@ -16,11 +16,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Runs each argv of the JSON list on stdin through the command, as `grpo-kernels ARGV` would, and prints
-# [(exit code, stderr)] as JSON.
+# Runs each argv of the JSON list on stdin through the command, as `grpo-kernels ARGV` would (an exception that
+# escapes it: its traceback and exit code 1), and prints [(exit code, stderr)] as JSON.
 DRIVER = textwrap.dedent(
     """
-    import contextlib, io, json, sys
+    import contextlib, io, json, sys, traceback
     from grpo_kernels.command import main
     results = []
     for argv in json.load(sys.stdin):
@@ -30,6 +30,9 @@ DRIVER = textwrap.dedent(
                 code = main(argv)
             except SystemExit as exit:
                 code = exit.code
+            except Exception:  # what the interpreter would print before exiting with 1
+                traceback.print_exc()
+                code = 1
         results.append((code, err.getvalue()))
     print(json.dumps(results))
     """
@@ -71,6 +74,8 @@ def train(folder: Path, *flags: str, dataset: str = "good.jsonl", model: str = "
     return ["train", "--model", str(folder / model), "--dataset", str(folder / dataset),
             "--output-dir", str(folder / "run"), "--no-progress", *flags]  # fmt: skip
 
+
+ONE_SMALL_STEP = ("--max-steps", "1", "--prompts-per-step", "1", "--num-generations", "2")  # should a check be missing
 
 # (name, argv maker, the one line expected on stderr, after "grpo-kernels <command>: error: ")
 ROWS = [
@@ -123,12 +128,12 @@ ROWS = [
     ),
     (
         "--max-completion-length past the context",
-        lambda f, m: train(f, "--max-completion-length", "100000", model=str(m)),
+        lambda f, m: train(f, "--max-completion-length", "100000", *ONE_SMALL_STEP, model=str(m)),
         "--max-completion-length 100000 does not fit the model's context of 64 positions",
     ),
     (
         "prompts past the context",
-        lambda f, m: train(f, "--max-completion-length", "60", "--system-prompt", "r1", model=str(m)),
+        lambda f, m: train(f, "--max-completion-length", "60", "--system-prompt", "r1", *ONE_SMALL_STEP, model=str(m)),
         "(max_position_embeddings): lower --max-prompt-length to at most 4, or --max-completion-length",
     ),
     (
