@@ -231,8 +231,9 @@ def grpo_loss(
         logits: [B, T, V] float32/bfloat16/float16/float64 (float64: the torch path, computed in float64; the
             outputs are then float64), `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
-        completion_ids: [B, T] int32/int64 in [0, V). An id outside that range is never read out of bounds: its
-            token's ℓ and H are NaN, and so are the loss, the metrics and the gradient (docs/loss.md, "Value
+        completion_ids: [B, T] int32/int64 in [0, V). A masked token's id is ignored, whatever it holds (-100,
+            Hugging Face's label padding, included). An active id outside that range is never read out of bounds:
+            its token's ℓ and H are NaN, and so are the loss, the metrics and the gradient (docs/loss.md, "Value
             checks"; check_inputs=True raises instead). So are they for a mask value other than 0/1 or ρ < 0.
         advantages: [B], [B, 1] or [B, T].
         completion_mask: [B, T] bool/int/float of 0/1, 1 = a token that counts; default all ones. A masked token is
