@@ -100,8 +100,8 @@ class TrainConfig:
     )
     prompt_column: str = _help("column holding the prompt: text, or a list of chat messages", "prompt")
     answer_column: str = _help(
-        "column holding the gold answer (for accuracy_reward); left at its default, TRL's 'solution' column is taken "
-        "where a row has no 'answer'",
+        "column holding the gold answer (for accuracy_reward); left at its default, a dataset without an 'answer' "
+        "column may hold it in TRL's 'solution' column",
         "answer",
     )
     tests_column: str = _help("column holding the test code (for code_reward)", "tests")
