@@ -52,8 +52,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
-# A negative number as a flag's value (`--learning-rate -1e-5`): argparse takes "-1e-5" for a flag of its own
-NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+# A flag's value that starts with a minus and a digit (`--learning-rate -1e-5`, `--reward-weights -1,2`): argparse
+# takes "-1e-5" for a flag of its own (no flag starts with a digit)
+NEGATIVE_NUMBER = re.compile(r"-\.?\d[\d.,eE+-]*")
 
 
 def join_negative_values(argv: list[str]) -> list[str]:
