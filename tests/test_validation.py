@@ -440,12 +440,17 @@ def _padding_problem():
     return logits, mask, zero_ids, padded, adv
 
 
+_COMPILED: dict[tuple, object] = {}  # one compiled step per option set, for the padded ids and the zeros alike
+
+
 def _loss_and_grad(logits, ids, adv, mask, backend, reduction="loss_type", **options):
     x = logits.clone().requires_grad_(True)
     if backend == "compiled":
-        torch._dynamo.reset()
-        step = torch.compile(lambda *a: grpo_loss(*a, backend="torch", **options).loss, fullgraph=True)
-        loss = step(x, ids, adv, mask)
+        key = tuple(sorted(options.items()))
+        if key not in _COMPILED:
+            step = lambda *a: grpo_loss(*a, backend="torch", **options).loss
+            _COMPILED[key] = torch.compile(step, fullgraph=True, backend="aot_eager")  # traced, AOT autograd
+        loss = _COMPILED[key](x, ids, adv, mask)
     else:
         loss = grpo_loss(x, ids, adv, mask, backend=backend, reduction=reduction, **options).loss
     loss.sum().backward()
