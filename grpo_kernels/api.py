@@ -22,7 +22,7 @@ from .dispatch import pick_backend, scale_
 from .distributed import resolve_data_group
 from .loss_math import TokenInputs, coefficients, entropy_bonus_weights, objective_coefficients, per_token_objective
 from .ops.backend import RowBackend
-from .validation import check_ids, check_ids_range, check_logits, value_guard
+from .validation import check_ids, check_logits, layer_guard, masked_tokens
 from .vocab_parallel import ShardBackend, shard_offset
 
 
@@ -177,6 +177,7 @@ def selective_log_softmax(
     *,
     backend: str = "auto",
     check_inputs: bool = False,
+    completion_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token and the entropy of each row, without a full log_softmax.
 
@@ -187,6 +188,9 @@ def selective_log_softmax(
             token's ℓ and H are NaN, and so is its row of the gradient.
         temperature: τ > 0; the distribution is softmax(logits / τ).
         check_inputs: raise a ValueError for an id outside [0, V) instead (one host sync).
+        completion_mask: [B, T] bool/int/float, 0 = a padding token: its id is ignored (-100, Hugging Face's
+            label padding, or any other value; never read, never checked) and its ℓ and H are 0. Default: every
+            token counts.
     Returns:
         (logp, entropy), each [B, T] float32 (float64 for float64 logits), differentiable w.r.t. `logits` through
         both.
@@ -197,11 +201,9 @@ def selective_log_softmax(
     temperature = LossConfig(temperature=temperature).temperature
     check_inputs = LossConfig(check_inputs=check_inputs).check_inputs
     row_backend = pick_backend(logits.device, backend, logits.dtype)
-    if check_inputs:
-        check_ids_range(ids, vocab)
-    guard = value_guard(ids, vocab)
+    guard, active = layer_guard(ids, vocab, completion_mask, check_inputs)
     logp, entropy = _SelectiveLogSoftmax.apply(logits, guard.ids, temperature, row_backend)
-    return guard.tokens(logp), guard.tokens(entropy)
+    return masked_tokens(guard.tokens(logp), active), masked_tokens(guard.tokens(entropy), active)
 
 
 def grpo_loss(
@@ -229,8 +231,9 @@ def grpo_loss(
         logits: [B, T, V] float32/bfloat16/float16/float64 (float64: the torch path, computed in float64; the
             outputs are then float64), `logits[b, t]` scores `completion_ids[b, t]` (already shifted);
             strided views such as `full_logits[:, -T-1:-1]` are read in place, never copied.
-        completion_ids: [B, T] int32/int64 in [0, V). An id outside that range is never read out of bounds: its
-            token's ℓ and H are NaN, and so are the loss, the metrics and the gradient (docs/loss.md, "Value
+        completion_ids: [B, T] int32/int64 in [0, V). A masked token's id is ignored, whatever it holds (-100,
+            Hugging Face's label padding, included). An active id outside that range is never read out of bounds:
+            its token's ℓ and H are NaN, and so are the loss, the metrics and the gradient (docs/loss.md, "Value
             checks"; check_inputs=True raises instead). So are they for a mask value other than 0/1 or ρ < 0.
         advantages: [B], [B, 1] or [B, T].
         completion_mask: [B, T] bool/int/float of 0/1, 1 = a token that counts; default all ones. A masked token is

@@ -5,11 +5,18 @@ Every field of `TrainConfig` is a flag of `train` (`--max-completion-length 512`
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m grpo_kernels.cli`: the console command, whose first check is the extra
+    from grpo_kernels.command import main as command_main
+
+    sys.exit(command_main())
+
+# (the imports below come after the entry point above: the trainer's need the [train] extra)
 import argparse
 import os
 import re
 import signal
-import sys
 from dataclasses import fields, replace
 from typing import Any
 
@@ -38,6 +45,41 @@ completions: every logging step appends --log-completions of them to completions
   each reward's value and their advantage; the console shows the best and the worst."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (the error and where the flags are listed), exit code 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+# A flag's value that starts with a minus and a digit (`--learning-rate -1e-5`, `--reward-weights -1,2`): argparse
+# takes "-1e-5" for a flag of its own (no flag starts with a digit)
+NEGATIVE_NUMBER = re.compile(r"-\.?\d[\d.,eE+-]*")
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -1e-5` written as `--flag=-1e-5`, so that argparse reads the number as the flag's value (and the
+    config's check then says what the value must be)."""
+    out: list[str] = []
+    for arg in argv:
+        if out and NEGATIVE_NUMBER.fullmatch(arg) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def _optional(convert: Any) -> Any:
     def parse(text: str) -> Any:
         return None if text.lower() in ("none", "") else convert(text)
@@ -46,17 +88,23 @@ def _optional(convert: Any) -> Any:
     return parse
 
 
+# TRL's flag names for ours, where the two differ: accepted beside ours
+TRL_FLAGS = {"epsilon_low": "--epsilon", "lr_scheduler": "--lr-scheduler-type"}
+
+
 def _add_flag(parser: argparse.ArgumentParser, name: str, kind: str, default: Any, help_text: str) -> None:
-    """`--name-with-dashes`, typed from the annotation `kind` ("int", "float | None", "bool", ...)."""
+    """`--name-with-dashes` (and TRL's name for it, `TRL_FLAGS`), typed from the annotation `kind` ("int",
+    "float | None", "bool", ...)."""
     flag = "--" + name.replace("_", "-")
+    flags = [flag, TRL_FLAGS[name]] if name in TRL_FLAGS else [flag]
     kind = kind.replace(" ", "")
     help_text = f"{help_text} (default: {default})"
     if kind == "bool":  # --x / --no-x
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         return
     base = kind.removesuffix("|None")
     convert = _TYPES[base] if base == kind else _optional(_TYPES[base])
-    parser.add_argument(flag, dest=name, type=convert, default=default, metavar=base.upper(), help=help_text)
+    parser.add_argument(*flags, dest=name, type=convert, default=default, metavar=base.upper(), help=help_text)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +122,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-kernels", description=__doc__.split("\n")[0])
+    parser = Parser(prog="grpo-kernels", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -90,14 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--output-dir", default=DemoConfig.output_dir, help="where the metrics, plot and summary go")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--sft-steps", type=int, default=None, help="cold-start SFT steps (default: the demo's)")
-    demo.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: the demo's)")
+    sft = DemoConfig.sft_steps
+    demo.add_argument("--sft-steps", type=_at_least(1), default=None, help=f"cold-start SFT steps, >= 1 ({sft})")
+    steps = default_grpo_config(DemoConfig.output_dir, 0).max_steps
+    demo.add_argument("--grpo-steps", type=_at_least(1), default=None, help=f"GRPO steps, >= 1 ({steps})")
     demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     from .trainer.errors import USER_ERRORS, PeerError, StorageError
     from .trainer.preempt import Terminated, terminate_raises
 
@@ -198,6 +248,3 @@ def _demo(args: argparse.Namespace) -> int:
     run_demo(cfg, progress=args.progress)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

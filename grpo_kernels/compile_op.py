@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .config import OPTION_DEFAULTS, LossConfig, check_option_names, config_from_encoded
+from .config import OPTION_DEFAULTS, LossConfig, check_option_names, config_from_encoded, trl_names
 from .dispatch import pick_backend
 from .loss_math import TokenInputs, grpo_objective
 from .ops.backend import RowBackend, empty_row_state, stats_dtype
@@ -90,7 +90,8 @@ TracedConfig = namedtuple("TracedConfig", list(OPTION_DEFAULTS))
 def traced_config(options: dict[str, Any], config: LossConfig | None = None) -> TracedConfig:
     """The options (over `config`'s fields, or the defaults) as dynamo can trace them (plain attributes);
     validated by `validate_config` in the graph."""
-    check_option_names(options)
+    check_option_names(options, hint=False)
+    options = trl_names(options)
     values = dict(OPTION_DEFAULTS) if config is None else {name: getattr(config, name) for name in OPTION_DEFAULTS}
     values.update(options)
     if values["epsilon_high"] is None:

@@ -7,6 +7,7 @@ loss-type families are defined here and nowhere else. What each option means: do
 from __future__ import annotations
 
 import ast
+import difflib
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -32,9 +33,23 @@ def _check_finite_number(name: str, value: object) -> float:
     return value
 
 
+# TRL 1.16 GRPOConfig's defaults where ours differ (docs/loss.md, "Defaults that differ from TRL"); every other
+# option has TRL's name and default. tests/test_validation.py holds this table to TRL's GRPOConfig.
+TRL_DEFAULTS_THAT_DIFFER: dict[str, object] = {
+    "loss_type": "dapo",  # ours: "grpo"
+    "use_bias_correction_kl": True,  # ours: False
+    "max_completion_length": 512,  # ours: None, the logits' T (only dr_grpo's normalizer reads it)
+}
+# TRL's names for our options where the two differ: accepted as keyword options, translated.
+TRL_NAMES = {"epsilon": "epsilon_low"}
+
+
 @dataclass(frozen=True)
 class LossConfig:
-    """Scalar options of `grpo_loss` (defaults as TRL's GRPOConfig); docs/loss.md says what each one does.
+    """Scalar options of `grpo_loss`, under TRL 1.16 GRPOConfig's names (its `epsilon` is `epsilon_low` here, and
+    accepted as a keyword option); the defaults are TRL's but for the three in `TRL_DEFAULTS_THAT_DIFFER`
+    (loss_type "grpo", not TRL's "dapo"; use_bias_correction_kl False; max_completion_length None).
+    docs/loss.md says what each option does.
 
     Constructing one validates it (TypeError/ValueError naming the option); the instance is frozen and trusted by
     every layer below the public functions.
@@ -114,7 +129,7 @@ class LossConfig:
             raise ValueError(
                 f"epsilon_low and epsilon_high must be >= 0, got {self.epsilon_low} and {self.epsilon_high}"
             )
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:  # 0: only the highest-entropy tokens (H >= max H)
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:  # 0: only the highest-entropy tokens (H >= max H), as TRL
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError(
@@ -154,17 +169,36 @@ class LossConfig:
         return tuple(f.name for f in fields(cls))
 
 
-def check_option_names(options: dict[str, Any], where: str = "grpo_loss") -> None:
-    """TypeError for any option that is not a `LossConfig` field."""
-    unknown = set(options) - OPTION_DEFAULTS.keys()
+def trl_names(options: dict[str, Any], where: str = "grpo_loss") -> dict[str, Any]:
+    """`options` with TRL's names (`TRL_NAMES`: `epsilon`) written as ours; TypeError when both are given."""
+    out = dict(options)
+    for trl, ours in TRL_NAMES.items():
+        if trl in out:
+            if ours in out:
+                raise TypeError(f"{where} got both {trl} (TRL's name) and {ours}: they are one option, pass one")
+            out[ours] = out.pop(trl)
+    return out
+
+
+def check_option_names(options: dict[str, Any], where: str = "grpo_loss", hint: bool = True) -> None:
+    """TypeError for any option that is not a `LossConfig` field (TRL's names of `TRL_NAMES` are translated
+    first), with the closest names as a hint (`hint`; not under torch.compile, which cannot trace difflib)."""
+    unknown = set(options) - OPTION_DEFAULTS.keys() - TRL_NAMES.keys()
     if unknown:
-        raise TypeError(f"{where} got unknown option(s) {sorted(unknown)}")
+        hints = []
+        for name in sorted(unknown) if hint else ():
+            close = difflib.get_close_matches(name, [*OPTION_DEFAULTS, *TRL_NAMES], n=2, cutoff=0.6)
+            if close:
+                hints.append(f"{name!r}: did you mean {' or '.join(map(repr, close))}?")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise TypeError(f"{where} got unknown option(s) {sorted(unknown)}{hint}; LossConfig's fields are the options")
 
 
 def make_config(config: LossConfig | None, options: dict[str, Any], where: str = "grpo_loss") -> LossConfig:
     """The one validated `LossConfig` of a call: `config` (default: all defaults) with `options` overriding its
-    fields. Raises TypeError/ValueError naming the option."""
+    fields (TRL's `epsilon` is `epsilon_low`). Raises TypeError/ValueError naming the option."""
     check_option_names(options, where)
+    options = trl_names(options, where)
     if config is None:
         return LossConfig(**options)
     if not isinstance(config, LossConfig):

@@ -22,7 +22,7 @@ from .dispatch import pick_linear_backend, scale_
 from .distributed import check_group, gather_sharded, resolve_data_group
 from .loss_math import objective_coefficients
 from .ops.backend import LinearBackend, LinearInputs, RowCoefficients
-from .validation import check_ids, check_ids_range, check_rows_tensor, value_guard
+from .validation import check_ids, check_rows_tensor, layer_guard, masked_tokens
 from .vocab_parallel import LinearShard, shard_offset
 
 
@@ -74,7 +74,7 @@ def _prepare(
     weight, bias = gather_sharded(weight), gather_sharded(bias)
     _check_linear(hidden, weight, bias)
     batch, length, _ = hidden.shape
-    ids = check_ids(completion_ids, batch, length, hidden.device)
+    ids = check_ids(completion_ids, batch, length, hidden.device, rows="hidden")
     tile_backend: LinearBackend | LinearShard = pick_linear_backend(hidden.device, backend, hidden.dtype)
     vocab = weight.shape[0]
     if vocab_parallel_group is not None:
@@ -116,6 +116,7 @@ def fused_linear_log_softmax(
     vocab_parallel_group: Any = None,
     backend: str = "auto",
     check_inputs: bool = False,
+    completion_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token and the entropy of each row of logits = (hidden @ weight.T + bias) / τ,
     without a (B·T, V) tensor: the per-token layer for trainers that build their own loss from ℓ and H.
@@ -142,6 +143,9 @@ def fused_linear_log_softmax(
             with the same upstream gradients.
         backend: "auto" (Triton folds on CUDA, torch tiles elsewhere), "triton" or "torch".
         check_inputs: raise a ValueError for an id outside [0, V) instead (one host sync).
+        completion_mask: [B, T] bool/int/float, 0 = a padding token: its id is ignored (-100, Hugging Face's
+            label padding, or any other value; never read, never checked) and its ℓ and H are 0. Default: every
+            token counts.
     Returns:
         (logp, entropy), each [B, T] float32 (float64 for float64 inputs), both differentiable w.r.t. hidden,
         weight and bias.
@@ -156,11 +160,9 @@ def fused_linear_log_softmax(
     hidden, weight, bias, ids, tile_backend, vocab = _prepare(
         hidden, weight, bias, completion_ids, backend, vocab_parallel_group
     )
-    if checked.check_inputs:
-        check_ids_range(ids, vocab)
-    guard = value_guard(ids, vocab)
+    guard, active = layer_guard(ids, vocab, completion_mask, checked.check_inputs)
     logp, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, bias, guard.ids, checked.temperature, tile_backend)
-    return guard.tokens(logp), guard.tokens(entropy)
+    return masked_tokens(guard.tokens(logp), active), masked_tokens(guard.tokens(entropy), active)
 
 
 class _FusedLinearGRPOFunction(torch.autograd.Function):

@@ -360,7 +360,10 @@ def _reward_func(name: str) -> RewardFunc:
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward function {name!r} could not be imported: {err}") from err
     if not callable(func):
-        raise TypeError(f"reward function {name!r} is not callable")
+        raise RewardError(
+            f"reward function {name!r} is a {type(func).__name__}, not a function: name a function "
+            "f(completions, **columns) -> list[float | None]"
+        )
     return func
 
 

@@ -60,9 +60,15 @@ def check_logits(logits: Any) -> torch.Tensor:
     return logits
 
 
-def check_ids(ids: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
+def check_ids(ids: Any, batch: int, length: int, device: torch.device, rows: str = "logits") -> torch.Tensor:
     """Shape and dtype; the value range, where the vocabulary size is known: on the device (`value_guard`), or read
-    back with check_inputs=True (`check_values`, `check_ids_range`)."""
+    back with check_inputs=True (`check_values`, `check_ids_range`). `rows`: what scores the ids (logits, hidden)."""
+    if isinstance(ids, torch.Tensor) and tuple(ids.shape) == (batch, length - 1):
+        raise ValueError(
+            f"{rows} have one position more than completion_ids ({rows} {length} positions, completion_ids "
+            f"{length - 1}): {rows}[:, t] must score completion_ids[:, t] (already shifted); pass {rows}[:, :-1], "
+            f"or of a model's whole output full_{rows}[:, -T-1:-1] with T = completion_ids.shape[1]"
+        )
     ids = check_tensor("completion_ids", ids, ((batch, length),), device)
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"completion_ids must be int32/int64, got {ids.dtype}")
@@ -146,9 +152,11 @@ class ValueGuard(NamedTuple):
 
     Multiplying by these factors changes no number of a valid call (x·1 = x); an invalid one gives NaN results:
     - `ids`: the ids with each one outside [0, vocab) replaced by 0, so no kernel reads outside a row;
-    - `per_token`: [B, T] float32, NaN at a token whose id was outside [0, vocab), else 1 (for its ℓ and H);
-    - `call`: 0-d float32, NaN when any id was outside [0, vocab), the mask held a value other than 0 and 1 or
-      ρ < 0 at an active token, else 1: for the loss and its metrics, and through autograd every gradient.
+    - `per_token`: [B, T] float32, NaN at an active token (any token, without a mask) whose id was outside
+      [0, vocab), else 1 (for its ℓ and H);
+    - `call`: 0-d float32, NaN when an active token's id was outside [0, vocab), the mask held a value other than
+      0 and 1 or ρ < 0 at an active token, else 1: for the loss and its metrics, and through autograd every
+      gradient. A masked token's id is never checked: whatever it holds, it is read as 0.
     """
 
     ids: torch.Tensor
@@ -186,17 +194,31 @@ def _nan_where(bad: torch.Tensor) -> torch.Tensor:
     return torch.ones(bad.shape, dtype=torch.float32, device=bad.device).masked_fill_(bad, math.nan)
 
 
-def value_guard(ids: torch.Tensor, vocab: int | torch.Tensor, inp: TokenInputs | None = None) -> ValueGuard:
+def _outside(ids: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+    return (ids < 0) | (ids >= vocab)
+
+
+def value_guard(
+    ids: torch.Tensor, vocab: int | torch.Tensor, inp: TokenInputs | None = None, active: torch.Tensor | None = None
+) -> ValueGuard:
     """The `ValueGuard` of a call: ids against `vocab` (an int, or a 0-d tensor: the full vocabulary of a sharded
-    one), and with `inp` the 0/1 mask and ρ >= 0 at active tokens. O(B·T) device work, no host read."""
-    bad_ids = (ids < 0) | (ids >= vocab)
+    one), and with `inp` the 0/1 mask and ρ >= 0 at active tokens. O(B·T) device work, no host read.
+
+    Every id outside [0, vocab) becomes 0 (no kernel reads outside a row); with `inp`, one at a masked token (the
+    -100 of Hugging Face's padding convention, or anything else) is ignored as its logits are, and only one at an
+    active token makes the results NaN. `active`: the [B, T] bool mask of the per-token layers, where `inp` is not
+    given (None: every token is active)."""
+    outside = _outside(ids, vocab)
+    if inp is not None:
+        active = inp.mask != 0
+    bad_ids = outside if active is None else outside & active
     invalid = bad_ids.any()
     if inp is not None:
         invalid = invalid | _mask_is_not_zero_one(inp.mask).any()
         negative = _negative_ratio(inp)
         if negative is not None:
             invalid = invalid | negative.any()
-    return ValueGuard(ids=ids.masked_fill(bad_ids, 0), per_token=_nan_where(bad_ids), call=_nan_where(invalid))
+    return ValueGuard(ids=ids.masked_fill(outside, 0), per_token=_nan_where(bad_ids), call=_nan_where(invalid))
 
 
 def check_values(
@@ -211,12 +233,13 @@ def check_values(
     """The value checks of check_inputs=True, with one host sync for all of them: ids in [0, vocab), a 0/1
     completion mask, ρ >= 0 at active tokens, and every active token's advantage, ℓ_old, ℓ_ref (when β != 0), ρ and
     (when given) logits row finite (for the logits: no NaN, no +inf, not all −inf; an O(B·T·V) pass). Masked
-    tokens may hold anything: they are absent from the loss. `sampling_logp` is not checked: NaN and ±inf there are
-    defined (the off-policy mask reads NaN as 0, as TRL). `vocab`: an int, or the 0-d tensor of a sharded one."""
+    tokens may hold anything, their ids included (-100 or any other value): they are absent from the loss.
+    `sampling_logp` is not checked: NaN and ±inf there are defined (the off-policy mask reads NaN as 0, as TRL).
+    `vocab`: an int, or the 0-d tensor of a sharded one."""
     vocab = int(vocab)  # (a tensor: the full vocabulary of a shard, read back here, with check_inputs)
     mask = inp.mask
     active = mask != 0
-    lo, hi = torch.aminmax(ids)
+    lo, hi = torch.aminmax(ids.masked_fill(~active, 0))  # a masked token's id is ignored, as its logits are
     found: list[tuple[str, tuple[int, ...], torch.Tensor]] = []  # (argument, shape, first bad flat index)
 
     def add(name: str, bad: torch.Tensor) -> None:
@@ -272,6 +295,25 @@ def check_values(
         raise ValueError(
             f"check_inputs: {name} must be finite at unmasked tokens, got {value[where].item()} at position {where}"
         )
+
+
+def layer_guard(
+    ids: torch.Tensor, vocab: int | torch.Tensor, completion_mask: Any, check_inputs: bool
+) -> tuple[ValueGuard, torch.Tensor | None]:
+    """The ids' checks of the per-token layers (`selective_log_softmax`, `fused_linear_log_softmax`): with a
+    `completion_mask`, a masked token's id is ignored (read as 0); check_inputs=True raises for an active one
+    outside [0, vocab) (one host sync), else it gives NaN at its token. Returns the guard and the bool mask."""
+    active = None
+    if completion_mask is not None:
+        active = check_tensor("completion_mask", completion_mask, (tuple(ids.shape),), ids.device).detach() != 0
+    if check_inputs:
+        check_ids_range(ids if active is None else ids.masked_fill(~active, 0), vocab)
+    return value_guard(ids, vocab, active=active), active
+
+
+def masked_tokens(x: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+    """`x` [B, T] with 0 at the tokens `active` leaves out (no gradient reaches them); `x` itself without a mask."""
+    return x if active is None else torch.where(active, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def check_ids_range(ids: torch.Tensor, vocab: int | torch.Tensor) -> None:

@@ -71,3 +71,11 @@ def test_the_command_without_its_extra_is_one_line_naming_it():
         proc.stderr.strip().splitlines() == [proc.stderr.strip()]
         and "grpo-kernels: the grpo-kernels command needs the [train] extra" in proc.stderr
     ), proc.stderr
+
+
+def test_python_m_cli_without_its_extra_is_the_commands_one_line():
+    run_as_main = "runpy.run_module('grpo_kernels.cli', run_name='__main__')"
+    proc = _run(f"import runpy\nsys.argv = ['grpo_kernels.cli', 'demo']\n{run_as_main}\n")
+    command = _run("from grpo_kernels.command import main\nsys.exit(main(['demo']))\n")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == command.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]

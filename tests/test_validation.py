@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the argument, never a crash or a silent wrong number."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,15 @@ CASES = [
     (dict(logits=torch.randn(0, T, V)), ValueError, "B, T, V >= 1"),
     (dict(completion_ids=torch.randint(0, V, (B, T)).float()), TypeError, "completion_ids must be int32/int64"),
     (dict(completion_ids=torch.zeros(B, T + 1, dtype=torch.long)), ValueError, "completion_ids must have shape"),
+    # a model's logits not shifted (T + 1 positions for T ids): named as the logits' fault, with the slice to take
+    (
+        dict(completion_ids=torch.zeros(B, T - 1, dtype=torch.long)),
+        ValueError,
+        (
+            f"logits have one position more than completion_ids (logits {T} positions, completion_ids {T - 1}): "
+            "logits[:, t] must score completion_ids[:, t] (already shifted); pass logits[:, :-1]"
+        ),
+    ),
     (dict(advantages=torch.randn(B, T, 1)), ValueError, "advantages must have shape"),
     (dict(advantages=torch.ones(B, dtype=torch.long)), TypeError, "advantages must be a floating-point"),
     (dict(advantages=[1.0, 2.0]), TypeError, "advantages must be a torch.Tensor"),
@@ -59,7 +69,8 @@ CASES = [
     (dict(epsilon_low=-0.1), ValueError, "epsilon_low and epsilon_high must be >= 0"),
     (dict(importance_sampling_ratio=torch.ones(B, 2)), ValueError, "importance_sampling_ratio must have shape"),
     (dict(max_completion_length=0), ValueError, "max_completion_length must be > 0"),
-    (dict(epsilon=0.2), TypeError, "unknown option(s) ['epsilon']"),
+    (dict(epsilon_lo=0.2), TypeError, "unknown option(s) ['epsilon_lo']"),
+    (dict(epsilon=0.2, epsilon_low=0.1), TypeError, "both epsilon (TRL's name) and epsilon_low"),
     (dict(inplace_backward=1), TypeError, "inplace_backward must be a bool"),
     (dict(config={"loss_type": "dapo"}), TypeError, "config must be a LossConfig or None, got dict"),
     (dict(config=LossConfig(), beta="0.1"), TypeError, "beta must be a real number"),  # options over a config
@@ -150,8 +161,8 @@ def test_config_and_options_are_one_validated_config():
 
 def test_fused_linear_options_are_checked_once_by_name():
     ids, adv = torch.zeros(1, 2, dtype=torch.long), torch.ones(1)
-    with pytest.raises(TypeError, match=r"fused_linear_grpo_loss got unknown option\(s\) \['epsilon'\]"):
-        fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, epsilon=0.2)
+    with pytest.raises(TypeError, match=r"fused_linear_grpo_loss got unknown option\(s\) \['eps'\]"):
+        fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, eps=0.2)
     with pytest.raises(TypeError, match="config must be a LossConfig"):
         fused_linear_grpo_loss(torch.randn(1, 2, 4), torch.randn(3, 4), ids, adv, config="grpo")
 
@@ -320,10 +331,11 @@ def test_out_of_range_ids_never_reach_a_kernel_and_give_nan(backend, monkeypatch
     monkeypatch.setattr(grpo_kernels.fused_linear, "pick_linear_backend", lambda *a: _IdsSpy(pick_linear(*a), seen))
     kwargs = good()
     ids = kwargs["completion_ids"].clone()
-    ids[0, 1], ids[1, 2] = V, -1  # (1, 2) is masked: masked or not, an id out of range makes the call NaN
+    ids[0, 1], ids[1, 2] = V, -1  # (1, 2) is masked in the loss (its id ignored), not in the per-token layers
     bad = torch.zeros(B, T, dtype=torch.bool)
     bad[0, 1] = bad[1, 2] = True
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    bad_active = bad & mask.bool()
     hidden, weight = torch.randn(B, T, 4), torch.randn(V, 4)
     schedules = (("fused", {"beta": 0.1}), ("two-pass", {"importance_sampling_level": "sequence"}), ("none", {}))
     for name, options in schedules:
@@ -335,7 +347,7 @@ def test_out_of_range_ids_never_reach_a_kernel_and_give_nan(backend, monkeypatch
         rows = x.grad if name != "none" else x.grad[mask.bool()]  # per token: a masked token's gradient is 0
         assert out.loss.isnan().all() and rows.isnan().all(), name
         assert all(m.isnan() for m in out.metrics.values()), name
-        assert torch.equal(out.logp.isnan(), bad) and torch.equal(out.entropy.isnan(), bad), name
+        assert torch.equal(out.logp.isnan(), bad_active) and torch.equal(out.entropy.isnan(), bad_active), name
     x = kwargs["logits"].clone().requires_grad_(True)
     logp, entropy = selective_log_softmax(x, ids, backend=backend)
     (logp.nan_to_num() + entropy.nan_to_num()).sum().backward()  # a caller that drops the NaN: its rows stay NaN
@@ -344,7 +356,7 @@ def test_out_of_range_ids_never_reach_a_kernel_and_give_nan(backend, monkeypatch
     h = hidden.clone().requires_grad_(True)
     out = fused_linear_grpo_loss(h, weight, ids, kwargs["advantages"], mask, backend=backend)
     out.loss.backward()
-    assert out.loss.isnan() and h.grad.isnan().all() and torch.equal(out.logp.isnan(), bad)
+    assert out.loss.isnan() and h.grad.isnan().all() and torch.equal(out.logp.isnan(), bad_active)
     h = hidden.clone().requires_grad_(True)
     logp, entropy = fused_linear_log_softmax(h, weight, ids, backend=backend)
     (logp.nan_to_num() - entropy.nan_to_num()).sum().backward()
@@ -403,3 +415,122 @@ def test_compiled_calls_accept_what_eager_accepts():
     assert graphs, "the call ran eagerly"
     torch.testing.assert_close(out.loss, eager.loss)
     assert out.metrics.keys() == eager.metrics.keys()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face's padding convention: -100 (or anything) as the id of a masked token. It is ignored as the token's
+# logits are: the results are exactly those of the same call with 0 there, on every backend.
+
+ROW_BACKENDS = [
+    "c-rows",  # backend="torch" on a CPU: the compiled C rows
+    "torch-rows",  # the chunked torch rows (the C extension turned off)
+    TRITON,  # the Triton kernels, under the interpreter here
+    "compiled",  # torch.compile: the row ops around the traced objective
+]
+
+
+def _padding_problem():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, T, V, generator=gen)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    zero_ids = torch.randint(0, V, (B, T), generator=gen).masked_fill(mask == 0, 0)
+    padded = zero_ids.masked_fill(mask == 0, -100)
+    padded[1, 2] = 10**9  # any value: far past the vocabulary too
+    adv = torch.tensor([1.0, -0.5])
+    return logits, mask, zero_ids, padded, adv
+
+
+_COMPILED: dict[tuple, object] = {}  # one compiled step per option set, for the padded ids and the zeros alike
+
+
+def _loss_and_grad(logits, ids, adv, mask, backend, reduction="loss_type", **options):
+    x = logits.clone().requires_grad_(True)
+    if backend == "compiled":
+        key = tuple(sorted(options.items()))
+        if key not in _COMPILED:
+            step = lambda *a: grpo_loss(*a, backend="torch", **options).loss
+            _COMPILED[key] = torch.compile(step, fullgraph=True, backend="aot_eager")  # traced, AOT autograd
+        loss = _COMPILED[key](x, ids, adv, mask)
+    else:
+        loss = grpo_loss(x, ids, adv, mask, backend=backend, reduction=reduction, **options).loss
+    loss.sum().backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("backend", ROW_BACKENDS)
+@pytest.mark.parametrize("reduction", ["loss_type", "none"])  # the aggregated loss and the per-token layer
+def test_minus_100_ids_at_masked_tokens_are_ignored(backend, reduction, monkeypatch):
+    if backend == "compiled" and reduction == "none":
+        pytest.skip("reduction='none' is eager only (refused by name under torch.compile)")
+    if backend == "torch-rows":
+        from grpo_kernels.ops import cpu_rows
+
+        monkeypatch.setenv("GRPO_KERNELS_CPU_ROWS", "0")
+        assert not cpu_rows.available()
+    name = "torch" if backend in ("c-rows", "torch-rows") else backend
+    logits, mask, zero_ids, padded, adv = _padding_problem()
+    for options in ({}, {"loss_type": "dapo", "importance_sampling_level": "sequence"}, {"check_inputs": True}):
+        want, want_grad = _loss_and_grad(logits, zero_ids, adv, mask, name, reduction, **options)
+        got, got_grad = _loss_and_grad(logits, padded, adv, mask, name, reduction, **options)
+        assert got.isfinite().all() and got_grad.isfinite().all(), options
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
+
+
+def test_minus_100_ids_at_masked_tokens_in_the_module_and_fused_linear():
+    logits, mask, zero_ids, padded, adv = _padding_problem()
+    loss_fn = GRPOLoss(loss_type="dapo", check_inputs=True)
+    assert torch.equal(loss_fn(logits, padded, adv, mask).loss, loss_fn(logits, zero_ids, adv, mask).loss)
+    hidden, weight = torch.randn(B, T, 4), torch.randn(V, 4)
+    for backend in ("torch", "triton") if HAS_TRITON_DEVICE else ("torch",):
+        results = []
+        for ids in (zero_ids, padded):
+            h = hidden.clone().requires_grad_(True)
+            out = fused_linear_grpo_loss(h, weight, ids, adv, mask, backend=backend)
+            out.loss.backward()
+            logp, entropy = fused_linear_log_softmax(h, weight, ids, completion_mask=mask, backend=backend)
+            results.append((out.loss, h.grad, logp, entropy))
+        for got, want in zip(results[1], results[0]):
+            assert got.isfinite().all()
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_per_token_layers_take_a_completion_mask_for_padded_ids():
+    logits, mask, zero_ids, padded, _ = _padding_problem()
+    x = logits.clone().requires_grad_(True)
+    logp, entropy = selective_log_softmax(x, padded, completion_mask=mask.bool(), check_inputs=True)
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.equal(logp[mask == 0], torch.zeros(3)) and torch.equal(entropy[mask == 0], torch.zeros(3))
+    want = selective_log_softmax(logits, zero_ids)[0]
+    torch.testing.assert_close(logp[mask == 1], want[mask == 1], rtol=0, atol=0)
+    assert torch.equal(x.grad[mask == 0], torch.zeros(3, V)) and x.grad.isfinite().all()
+    with pytest.raises(ValueError, match=re.escape("completion_ids must lie in [0, 5)")):
+        selective_log_softmax(logits, padded, check_inputs=True)  # unmasked: the documented error
+    with pytest.raises(ValueError, match="completion_mask must have shape"):
+        selective_log_softmax(logits, padded, completion_mask=mask[:, :2])
+
+
+def test_trl_names_and_defaults():
+    """TRL's `epsilon` is our `epsilon_low`, eager and compiled; every default is TRL 1.16 GRPOConfig's but for the
+    ones `TRL_DEFAULTS_THAT_DIFFER` lists (which docs/loss.md states)."""
+    from grpo_kernels.config import TRL_DEFAULTS_THAT_DIFFER, TRL_NAMES
+
+    kwargs = {**good(), "old_logp": torch.randn(B, T)}
+    want = grpo_loss(backend="torch", epsilon_low=0.05, **kwargs).loss
+    torch.testing.assert_close(grpo_loss(backend="torch", epsilon=0.05, **kwargs).loss, want, rtol=0, atol=0)
+    assert GRPOLoss(epsilon=0.05).config == LossConfig(epsilon_low=0.05)
+    with pytest.raises(TypeError, match=re.escape("['epsilon_lo'] ('epsilon_lo': did you mean 'epsilon_low'")):
+        grpo_loss(backend="torch", epsilon_lo=0.05, **kwargs)
+    torch.testing.assert_close(_compiled(**kwargs, epsilon=0.05)[0].loss, want)
+    trl = pytest.importorskip("trl")
+    from dataclasses import fields
+
+    theirs = {f.name: f.default for f in fields(trl.GRPOConfig)}
+    ours = {f.name: f.default for f in fields(LossConfig)}
+    for trl_name, name in TRL_NAMES.items():
+        theirs[name] = theirs.pop(trl_name)
+    differ = {k: theirs[k] for k in ours.keys() & theirs.keys() if theirs[k] != ours[k]}
+    assert differ == TRL_DEFAULTS_THAT_DIFFER
+    text = (Path(__file__).parents[1] / "docs" / "loss.md").read_text()
+    for name, value in TRL_DEFAULTS_THAT_DIFFER.items():
+        assert f"| `{name}` | `{ours[name]!r}` | `{value!r}` |" in text, name

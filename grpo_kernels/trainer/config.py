@@ -7,6 +7,7 @@ they are fields of the trainer, copied into `cfg.loss`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -21,7 +22,7 @@ TRAINER_LOSS_DEFAULTS: dict[str, Any] = {"beta": 0.04}
 LOSS_HELP = {
     "loss_type": f"one of {', '.join(LOSS_TYPES)}",
     "beta": "KL penalty to the reference (the base model, adapter disabled); >= 0",
-    "epsilon_low": "lower clip range",
+    "epsilon_low": "lower clip range (TRL's name: --epsilon)",
     "epsilon_high": "upper clip range (default: epsilon_low); cispo's absolute cap",
     "delta": "two-sided clipping bound on the ratio",
     "importance_sampling_level": '"token" or "sequence" (GSPO)',
@@ -91,12 +92,18 @@ class TrainConfig:
     model: str = _help("model folder or Hugging Face hub id", "")
     dataset: str = _help(DATA_FORMATS, "")
     dataset_config: str | None = _help("the dataset's configuration name (hub datasets)", None)
-    dataset_split: str = _help("the split to train on", "train")
+    dataset_split: str = _help(
+        "the split of a hub dataset to train on (a local file is one split: another value is refused there)", "train"
+    )
     num_examples: int | None = _help(
         "reasoning-gym: examples generated per task, from --seed (default: 1000); other datasets use every row", None
     )
     prompt_column: str = _help("column holding the prompt: text, or a list of chat messages", "prompt")
-    answer_column: str = _help("column holding the gold answer (for accuracy_reward)", "answer")
+    answer_column: str = _help(
+        "column holding the gold answer (for accuracy_reward); left at its default, a dataset without an 'answer' "
+        "column may hold it in TRL's 'solution' column",
+        "answer",
+    )
     tests_column: str = _help("column holding the test code (for code_reward)", "tests")
     system_prompt: str = _help('"r1" (DeepSeek-R1\'s prompt), "none", or the literal text of a system prompt', "r1")
     chat_template: bool = _help("use the tokenizer's chat template when it has one", True)
@@ -131,7 +138,7 @@ class TrainConfig:
     num_iterations: int = _help("policy updates per rollout batch (mu)", 1)
     gradient_accumulation_steps: int = _help("micro-batches each rollout batch is split into", 1)
     learning_rate: float = _help("peak learning rate", 1e-5)
-    lr_scheduler: str = _help('"cosine" or "constant"', "cosine")
+    lr_scheduler: str = _help('"cosine" or "constant" (TRL\'s name: --lr-scheduler-type)', "cosine")
     warmup_steps: int = _help("optimizer steps of linear warm-up", 0)
     weight_decay: float = _help("AdamW weight decay", 0.0)
     adam_beta1: float = _help("AdamW beta1", 0.9)
@@ -148,7 +155,7 @@ class TrainConfig:
     dtype: str = _help('"auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16" or "float16"', "auto")
     num_threads: int = _help("torch CPU threads (0: torch's default)", 0)
     save_steps: int = _help("checkpoint every this many steps (0: only at the end)", 50)
-    save_total_limit: int = _help("checkpoints kept (oldest removed first)", 2)
+    save_total_limit: int = _help("checkpoints kept, the oldest removed first (0: keep every checkpoint)", 2)
     resume: bool = _help("continue from the newest complete checkpoint in output_dir", False)
     overwrite: bool = _help("replace the run already in output_dir (its metrics, checkpoints, adapter, plot)", False)
     allow_config_change: bool = _help(
@@ -190,6 +197,7 @@ class TrainConfig:
                 "minus the mean of its group of num_generations completions, so a group of one has advantage 0 and "
                 "nothing is learned"
             )
+        self._check_batch()
         for name in (
             "warmup_steps",
             "save_steps",
@@ -214,6 +222,7 @@ class TrainConfig:
             '"auto", "float32", "bfloat16" or "float16"',
         )
         check(self.logging_steps >= 1, "logging_steps", ">= 1")
+        check(_is_device(self.device), "device", '"auto", "cpu", "cuda" or "cuda:<index>" (a torch device)')
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: continue the run in output_dir, or replace it")
         if isinstance(self.loss, dict):  # as to_dict() wrote it
@@ -223,16 +232,36 @@ class TrainConfig:
         # sampling and the loss share the temperature and the length limit (dr_grpo's normalizer)
         self.loss = replace(self.loss, temperature=self.temperature, max_completion_length=self.max_completion_length)
 
+    def _check_batch(self) -> None:
+        """The micro-batches fit the rollout batch; the reward weights are numbers (each error names its flag)."""
+        sequences = self.prompts_per_step * self.num_generations
+        if self.gradient_accumulation_steps > sequences:
+            raise ValueError(
+                f"gradient_accumulation_steps must be at most the {sequences} sequences of a rollout batch "
+                f"(prompts_per_step x num_generations), got {self.gradient_accumulation_steps}: each micro-batch "
+                "needs at least one"
+            )
+        self.parsed_reward_weights(None)
+
     def loss_options(self) -> dict[str, Any]:
         """The keyword options of `grpo_loss` this config sets (all but those the loop fills in per batch)."""
         return {k: v for k, v in asdict(self.loss).items() if k not in LOOP_SET_LOSS_OPTIONS}
 
-    def parsed_reward_weights(self, num_funcs: int) -> list[float]:
-        """`reward_weights` as numbers, one per reward function (all 1 when it is empty)."""
+    def parsed_reward_weights(self, num_funcs: int | None) -> list[float]:
+        """`reward_weights` as numbers, one per reward function (all 1 when it is empty; `num_funcs` None: as many
+        as it lists)."""
         if not self.reward_weights.strip():
-            return [1.0] * num_funcs
-        weights = [float(w) for w in self.reward_weights.split(",")]
-        if len(weights) != num_funcs:
+            return [1.0] * (num_funcs or 0)
+        try:
+            weights = [float(w) for w in self.reward_weights.split(",")]
+        except ValueError:
+            weights = []
+        if not weights or not all(math.isfinite(w) for w in weights):
+            raise ValueError(
+                f"reward_weights must be comma-separated finite numbers, one per reward function (e.g. 1,0.5), got "
+                f"{self.reward_weights!r}"
+            )
+        if num_funcs is not None and len(weights) != num_funcs:
             raise ValueError(f"reward_weights must have {num_funcs} entries (one per reward function), got {weights}")
         return weights
 
@@ -263,6 +292,18 @@ class TrainConfig:
         `to_dict()`; names that only one of the two versions knows are left out."""
         a, b = _flatten(saved), _flatten(self.to_dict())
         return {k: (a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k] != b[k]}
+
+
+def _is_device(name: str) -> bool:
+    if name == "auto":
+        return True
+    import torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
 
 
 def _flatten(values: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import os
 import socket
@@ -89,6 +90,16 @@ def load_data(cfg: TrainConfig, reward_funcs: Sequence[RewardFunc]) -> TrainData
             f"--num-examples applies to reasoning-gym task suites (--dataset reasoning-gym:NAME), not to "
             f"--dataset {cfg.dataset!r}, whose rows are all used"
         )
+    if os.path.exists(cfg.dataset):
+        for flag, value, default in (
+            ("--dataset-split", cfg.dataset_split, "train"),
+            ("--dataset-config", cfg.dataset_config, None),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"{flag} {value!r} applies to hub datasets, not to the local file --dataset {cfg.dataset!r}: a "
+                    "local file is one split, all of whose rows are used"
+                )
     rows, locate = read_rows(cfg.dataset, split=cfg.dataset_split, config_name=cfg.dataset_config)
     columns = Columns(cfg.prompt_column, cfg.answer_column, cfg.tests_column)
     check_rows(rows, columns, funcs, f"dataset {cfg.dataset!r}", locate)
@@ -132,9 +143,11 @@ def _read_local(path: str, ext: str, split: str) -> tuple[list[dict[str, Any]], 
     """The records of a local file; JSON is parsed here so that a bad row is reported by its line."""
     if os.path.getsize(path) == 0:
         raise ValueError(f"dataset {path!r} is empty (0 bytes)")
+    if ext in (".jsonl", ".json", ".csv"):
+        text = read_text(path)
+    if ext == ".csv" and _csv_records(text) == 0:
+        raise ValueError(f"dataset {path!r} has no rows: only a header row ({text.splitlines()[0][:80]!r})")
     if ext in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
         if not text.strip():
             raise ValueError(f"dataset {path!r} is empty (only whitespace)")
         if ext == ".json" and text.lstrip().startswith("["):
@@ -174,6 +187,33 @@ def _read_local(path: str, ext: str, split: str) -> tuple[list[dict[str, Any]], 
     if ext == ".csv":
         return list(ds), functools.partial(_csv_line, path)
     return list(ds), lambda i: f"row {i + 1}"
+
+
+def read_text(path: str) -> str:
+    """A text file as UTF-8 (a leading byte-order mark dropped); bytes that are not UTF-8 are an error naming the
+    file, the line and the column."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ValueError(
+            f"dataset {path!r}, line {line}: not UTF-8 (byte 0x{data[err.start]:02x} at column {column}); save "
+            "the file as UTF-8"
+        ) from None
+
+
+def _csv_records(text: str) -> int:
+    """How many records a CSV text holds after its header: 0, 1 or 2 (the count stops there)."""
+    reader = csv.reader(io.StringIO(text))
+    count = -1  # the header
+    for row in reader:
+        count += bool(row)  # (a blank line is no record)
+        if count == 2:
+            break
+    return max(count, 0)
 
 
 def _csv_line(path: str, i: int) -> str:
@@ -234,6 +274,13 @@ def render_prompt(tokenizer: Any, question: Any, system_prompt: str = "", *, use
     if not system_prompt:
         return text
     return f"{system_prompt} User: {text} Assistant:"
+
+
+def rendered_prompts(tokenizer: Any, data: TrainData, cfg: TrainConfig) -> list[str]:
+    """Every row's prompt as the policy sees it (`render_prompt` with the run's system prompt and template)."""
+    system = resolve_system_prompt(cfg.system_prompt)
+    prompt = data.columns.prompt
+    return [render_prompt(tokenizer, row[prompt], system, use_chat_template=cfg.chat_template) for row in data.rows]
 
 
 def prompt_indices(step: int, batch: int, num_rows: int, seed: int) -> list[int]:

@@ -222,7 +222,7 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
     log(f"cold-start SFT: {cfg.sft_steps} steps, final loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
     log(f"before GRPO: held-out accuracy {before['accuracy']:.1%}, mean reward {before['reward']:.3f}")
 
-    result = train(
+    trained = train(
         grpo_cfg,
         model=model,
         tokenizer=tokenizer,
@@ -231,27 +231,36 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
         evaluate=lambda m, tok: evaluate(m, tok, eval_rows, grpo_cfg),
         eval_every=cfg.eval_every,
     )
-    last = result.records[-1]  # evaluated after the last step
+    result_records = trained.records
+    last = result_records[-1]  # evaluated after the last step
     after = {k.removeprefix("eval/"): v for k, v in last.items() if k.startswith("eval/")}
     seconds = time.perf_counter() - t0
     log(f"after GRPO:  held-out accuracy {after['accuracy']:.1%}, mean reward {after['reward']:.3f}")
     out = Path(cfg.output_dir)
     plot_path = plot_metrics(
-        result.records,
+        result_records,
         out / "training_curves.png",
-        title=f"GRPO on two-digit addition: {len(eval_rows)} held-out sums, {len(result.records)} steps",
+        title=f"GRPO on two-digit addition: {len(eval_rows)} held-out sums, {len(result_records)} steps",
         before=before,
     )
     log(f"plot: {plot_path}")
     log(f"total time: {seconds:.0f}s")
+    result = DemoResult(before, after, seconds, plot_path, str(out))
+    write_summary(result, cfg, grpo_cfg, records=result_records)
+    return result
+
+
+def write_summary(result: DemoResult, cfg: DemoConfig, grpo_cfg: TrainConfig, records: list[dict[str, Any]]) -> None:
+    """summary.json in the demo's folder: the accuracy before and after, the evaluation curve, both configs and the
+    machine it ran on."""
     summary = {
-        "before": before,
-        "after": after,
-        "seconds": seconds,
-        "plot": plot_path,
+        "before": result.before,
+        "after": result.after,
+        "seconds": result.seconds,
+        "plot": result.plot_path,
         "eval_curve": [
-            {"step": 0, **before},
-            *({"step": r["step"], **{k[5:]: v for k, v in r.items() if k.startswith("eval/")}} for r in result.records
+            {"step": 0, **result.before},
+            *({"step": r["step"], **{k[5:]: v for k, v in r.items() if k.startswith("eval/")}} for r in records
               if "eval/accuracy" in r),
         ],
         "config": {k: v for k, v in asdict(cfg).items() if k != "grpo"},
@@ -263,5 +272,4 @@ def _run_demo(cfg: DemoConfig, progress: bool, log: Any) -> DemoResult:
             "torch": torch.__version__,
         },
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return DemoResult(before, after, seconds, plot_path, str(out))
+    (Path(result.output_dir) / "summary.json").write_text(json.dumps(summary, indent=1))

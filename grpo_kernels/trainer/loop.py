@@ -28,10 +28,11 @@ from ..rewards import RewardFunc
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .completions import completion_records, console_lines
 from .config import TrainConfig
-from .data import TrainData, load_data, load_reward_funcs, prompt_indices, rows_data
+from .data import TrainData, load_data, load_reward_funcs, prompt_indices, rendered_prompts, rows_data
 from .dist import World, all_reduce_, barrier, init_distributed, max_over_ranks, rank_device, together, wrap_ddp
 from .model import (
     add_lora,
+    check_context,
     completion_logits,
     load_model,
     make_optimizer,
@@ -173,6 +174,7 @@ class Run:
     progress: Progress
     start: int  # the step to start from: 0, or the resumed checkpoint's
     records: list[dict[str, Any]]  # one per step done, as in metrics.jsonl; the loop appends each step's
+    unscored_noted: bool = False  # the note that some completions got no reward has been shown (it is shown once)
 
 
 def _setup(
@@ -194,6 +196,7 @@ def _setup(
         elif tokenizer is None:
             raise ValueError("a tokenizer must come with the model")
         tokenizer = prepare_tokenizer(tokenizer)
+        check_context(model, tokenizer, rendered_prompts(tokenizer, data, cfg), cfg)
         model = add_lora(model.to(device), cfg)
         model.train()  # from_pretrained returns eval mode; old/ref log-probs and updates all see the same mode
         optimizer = make_optimizer(model, cfg)
@@ -230,6 +233,7 @@ def _load_inputs(
                 f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes "
                 f"({world.size}): each rank trains on an equal share of every step's prompts"
             )
+        micro_batches(cfg.prompts_per_step // world.size * cfg.num_generations, cfg)  # its error, by name
         reward_funcs = load_reward_funcs(cfg.reward_funcs) if reward_funcs is None else reward_funcs
         reward_weights = cfg.parsed_reward_weights(len(reward_funcs))
         if world.main:  # rank 0 builds the datasets cache entry first; building it together races
@@ -320,6 +324,12 @@ def _log_and_save(
         logs.completions.append(samples)
     run.progress.step(record)
     run.progress.show(console_lines(samples))
+    if record.get("frac_reward_none") and not run.unscored_noted:
+        run.unscored_noted = True
+        run.progress.note(
+            f"step {step}: {record['frac_reward_none']:.0%} of the completions got no value from any reward (each "
+            "returned None or NaN); they count 0, as in TRL (frac_reward_none in metrics.jsonl, noted once)"
+        )
     if warn_after is not None:
         run.progress.note(zero_variance_warning(warn_after, cfg, record, _completions_hint(cfg, run.out_dir)))
     if not save:
@@ -362,18 +372,9 @@ def policy_update(
     cfg: TrainConfig,
     world: World | None = None,
 ) -> dict[str, float]:
-    """`num_iterations` optimizer steps on one rollout batch, each accumulated over its micro-batches.
-
-    Under torchrun `model` is the DistributedDataParallel wrapper (`wrap_ddp`): each rank holds an equal share of the
-    batch's sequences, and the last micro-batch's backward of each optimizer step all-reduces the gradients and
-    averages them over the ranks (the others run under `no_sync`); the losses are normalized so that the average is
-    the whole batch's gradient:
-    grpo/sapo/dr_grpo/luspo average over (equally many) sequences per rank, and the token-sum losses divide by
-    the token count of all ranks over the world size (`num_items_in_batch` below, `dapo_normalizer`)."""
+    """`num_iterations` optimizer steps on one rollout batch, each accumulated over its micro-batches
+    (`accumulate_gradients`)."""
     world = world or World()
-    n, length = roll.completion_ids.shape
-    chunks = micro_batches(n, cfg)
-    num_items = all_reduce_(roll.completion_mask.sum().double().cpu(), world).item()  # tokens of all ranks
     params = [p for p in model.parameters() if p.requires_grad]
     # each metric's token-weighted sum over the micro-batches, and the sum of their weights
     sums: dict[str, float] = defaultdict(float)
@@ -381,17 +382,7 @@ def policy_update(
     losses, grad_norms = [], []
     model.train()
     for _ in range(cfg.num_iterations):
-        step_loss = 0.0
-        for i, sl in enumerate(chunks):
-            # DDP: the micro-batches accumulate locally under no_sync; the last one's backward all-reduces the sum,
-            # one gradient all-reduce per optimizer step
-            sync = i == len(chunks) - 1 or not isinstance(model, DistributedDataParallel)
-            with contextlib.nullcontext() if sync else model.no_sync():
-                loss, metrics, w = _micro_batch_loss(model, roll, sl, length, num_items, len(chunks), cfg, world)
-            step_loss += loss
-            for key, value in metrics.items():
-                sums[key] += value * w
-                tokens[key] += w
+        step_loss = accumulate_gradients(model, roll, cfg, world, sums, tokens)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         optimizer.step()
         scheduler.step()
@@ -407,17 +398,69 @@ def policy_update(
     return metrics
 
 
+def accumulate_gradients(
+    model: Any,
+    roll: Rollout,
+    cfg: TrainConfig,
+    world: World,
+    sums: dict[str, float] | None = None,
+    tokens: dict[str, float] | None = None,
+) -> float:
+    """The gradient of the whole rollout batch's loss, accumulated over its micro-batches into the parameters'
+    `.grad`; returns that loss. Whatever the split (even uneven micro-batches), the gradient is the unsplit
+    batch's: each micro-batch's loss is weighted by its share of the batch (`micro_batch_share`). The entropy
+    bonus and the top-entropy quantile stay per micro-batch, as in TRL. `sums` and `tokens` gather each metric's
+    token-weighted sum and its weight.
+
+    Under torchrun `model` is the DistributedDataParallel wrapper (`wrap_ddp`): each rank holds an equal share of the
+    batch's sequences, and the last micro-batch's backward all-reduces the gradients and averages them over the
+    ranks (the others run under `no_sync`); the losses are normalized so that the average is the whole batch's
+    gradient: the sequence-mean losses average over (equally many) sequences per rank, bnpo over the rank's tokens,
+    and the token-sum losses divide by the token count of all ranks over the world size (`num_items_in_batch`,
+    `dapo_normalizer`)."""
+    sums = defaultdict(float) if sums is None else sums
+    tokens = defaultdict(float) if tokens is None else tokens
+    chunks = micro_batches(roll.completion_ids.shape[0], cfg)
+    num_items = all_reduce_(roll.completion_mask.sum().double().cpu(), world).item()  # tokens of all ranks
+    step_loss = 0.0
+    for i, sl in enumerate(chunks):
+        # DDP: the micro-batches accumulate locally under no_sync; the last one's backward all-reduces the sum,
+        # one gradient all-reduce per optimizer step
+        sync = i == len(chunks) - 1 or not isinstance(model, DistributedDataParallel)
+        with contextlib.nullcontext() if sync else model.no_sync():
+            share = micro_batch_share(roll.completion_mask, sl, cfg.loss.loss_type)
+            loss, metrics, w = _micro_batch_loss(model, roll, sl, num_items, share, cfg, world)
+        step_loss += loss
+        for key, value in metrics.items():
+            sums[key] += value * w
+            tokens[key] += w
+    return step_loss
+
+
+def micro_batch_share(mask: torch.Tensor, sl: slice, loss_type: str) -> float:
+    """The factor of micro-batch `sl`'s loss such that the micro-batches' losses add up to the whole batch's (of
+    this rank): 1 for the token-count losses (normalized by the whole batch's tokens, `num_items_in_batch`), the
+    micro-batch's share of the active tokens for bnpo (normalized by its own tokens), its share of the sequences for
+    the others (a mean over its sequences)."""
+    if loss_type in TOKEN_COUNT_LOSS_TYPES:
+        return 1.0
+    if loss_type == "bnpo":
+        return mask[sl].sum().item() / max(mask.sum().item(), 1.0)
+    return (sl.stop - sl.start) / mask.shape[0]
+
+
 def _micro_batch_loss(
     model: Any,
     roll: Rollout,
     sl: slice,
-    length: int,
     num_items: float,
-    num_chunks: int,
+    share: float,
     cfg: TrainConfig,
     world: World,
 ) -> tuple[float, dict[str, float], float]:
-    """Forward and backward of one micro-batch: (its loss, its metrics, their weight: its tokens on every rank)."""
+    """Forward and backward of one micro-batch, its loss weighted by `share` (`micro_batch_share`): (that loss, its
+    metrics, their weight: its tokens on every rank)."""
+    length = roll.completion_ids.shape[1]
     logits = completion_logits(model, roll.input_ids[sl], roll.attention_mask[sl], length)  # [n, T, V] view
     out = grpo_loss(
         logits,
@@ -430,9 +473,7 @@ def _micro_batch_loss(
         backend=cfg.backend,
         **cfg.loss_options(),  # temperature and max_completion_length included: sampling and loss share them
     )
-    # token-count losses are normalized by the whole rollout batch's tokens (num_items_in_batch): their micro-batch
-    # losses add up; the others average per micro-batch and are divided by the number of micro-batches
-    loss = out.loss if cfg.loss.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / num_chunks
+    loss = out.loss * share
     loss.backward()
     # The metrics are already means over this micro-batch of every rank, so they weigh by its tokens on every rank
     w = all_reduce_(roll.completion_mask[sl].sum().double(), world).item()

@@ -6,10 +6,10 @@ The reference policy is the same model with its adapter disabled, so no second c
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import resource
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,12 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tupl
     if looks_local and not os.path.isdir(os.path.expanduser(name_or_path)):
         raise FileNotFoundError(f"model folder {name_or_path!r} does not exist")
     path = os.path.expanduser(name_or_path)
+    if looks_local and not os.path.isfile(os.path.join(path, "config.json")):
+        raise LoadError(
+            f"model folder {name_or_path!r} has no config.json, so it is not a model folder as save_pretrained "
+            "writes it (config.json, the weights, the tokenizer files); "
+            + (f"it holds: {', '.join(sorted(os.listdir(path))[:6])}" if os.listdir(path) else "it is empty")
+        )
     cached_only = not looks_local and hub_offline()  # no network: the local HF cache or a fast, clear failure
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
@@ -64,6 +70,32 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tupl
             + ". Pass a model folder (as save_pretrained writes it), or make the hub reachable."
         ) from err
     return model, tokenizer
+
+
+def check_context(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: TrainConfig) -> None:
+    """Refuse, before the model runs, lengths past the model's context (`max_position_embeddings`): the completion
+    limit alone, or with the longest of `prompts` (the rendered prompts, as `generate` tokenizes and cuts them)."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return
+    if cfg.max_completion_length >= context:
+        raise ValueError(
+            f"max_completion_length={cfg.max_completion_length} does not fit the model's context of {context} "
+            f"positions (max_position_embeddings in its config.json), which must also hold the prompt: at most "
+            f"{context - 1}"
+        )
+    special = not (cfg.chat_template and getattr(tokenizer, "chat_template", None))
+    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=special)["input_ids"]]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    used = min(lengths[longest], cfg.max_prompt_length)
+    if used + cfg.max_completion_length > context:
+        raise ValueError(
+            f"prompts of up to {used} tokens (the longest prompt, row {longest + 1}, has {lengths[longest]}; "
+            f"max_prompt_length={cfg.max_prompt_length} cuts longer ones) and max_completion_length="
+            f"{cfg.max_completion_length} new tokens need {used + cfg.max_completion_length} positions, more than "
+            f"the model's context of {context} (max_position_embeddings): lower max_prompt_length to at most "
+            f"{context - cfg.max_completion_length}, or max_completion_length"
+        )
 
 
 def add_lora(model: Any, cfg: TrainConfig) -> Any:
@@ -116,9 +148,15 @@ def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch
 
 
 def micro_batches(n: int, cfg: TrainConfig) -> list[slice]:
-    """The rollout batch of n sequences cut into `gradient_accumulation_steps` micro-batches."""
-    size = math.ceil(n / cfg.gradient_accumulation_steps)
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    """The rollout batch of n sequences cut into exactly `gradient_accumulation_steps` micro-batches, as even as
+    they come (sizes differ by at most one; the loss weighs each by its share, `loop.micro_batch_share`)."""
+    k = cfg.gradient_accumulation_steps
+    if k > n:
+        raise ValueError(
+            f"gradient_accumulation_steps={k} is more than the {n} sequences of a rollout batch on this process "
+            "(prompts_per_step x num_generations / processes): each micro-batch needs at least one"
+        )
+    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def accepts_logits_to_keep(model: Any) -> bool:

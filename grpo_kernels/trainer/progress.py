@@ -10,7 +10,9 @@ from .config import TrainConfig
 
 def step_summary(record: dict[str, Any]) -> str:
     text = f"reward {record['reward']:.3f}"
-    if "accuracy" in record:
+    if record.get("frac_reward_none"):  # completions no reward applied to: their reward counts 0 (TRL's nansum)
+        text += f" ({record['frac_reward_none']:.0%} unscored)"
+    if record.get("accuracy") is not None:  # None: no completion had a gold answer to compare with
         text += f"  acc {record['accuracy']:.2f}"
     if "kl" in record:
         text += f"  kl {record['kl']:.4f}"

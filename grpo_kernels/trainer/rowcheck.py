@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..rewards import RewardFunc, accuracy_reward, code_reward, reward_label
+from ..rewards import RewardError, RewardFunc, accuracy_reward, code_reward, reward_label
 
 # What the trainer passes to every reward itself, whatever the columns
 REWARD_ARGUMENTS = ("completions", "prompts")
@@ -107,6 +107,7 @@ def check_rows(
     (`locate(i)`: "line 7", "row 7") and the column. One pass over the rows."""
     if not rows:
         raise ValueError(f"{source} has no rows")
+    check_reward_calls(funcs, rows, columns)
     needs = reward_needs(funcs, columns)
     prompt = columns.prompt
     for i, row in enumerate(rows):
@@ -127,6 +128,28 @@ def check_rows(
                 )
                 known = f"; its columns: {sorted(row)}" if reason == "missing" else ""
                 raise ValueError(f"{source}, {locate(i)}: column {name!r} {need.why}, is {reason}{known}")
+
+
+def check_reward_calls(funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], columns: Columns) -> None:
+    """Refuse a reward that cannot take the arguments every call passes it (the completions, `prompts=` and every
+    column as a keyword), before the model loads: what a first step would otherwise find after sampling."""
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in REWARD_ARGUMENTS]
+    for alias, name in (("answer", columns.answer), ("tests", columns.tests)):
+        if name in keys and alias not in keys:
+            keys.append(alias)
+    for func in funcs:
+        try:
+            signature = inspect.signature(func)
+        except (TypeError, ValueError):  # a builtin or an object whose signature Python can't read
+            continue
+        try:
+            signature.bind([], prompts=[], **dict.fromkeys(keys))
+        except TypeError as err:
+            shown = ", ".join(f"{k}=" for k in ["prompts", *keys][:8]) + (", ..." if len(keys) > 7 else "")
+            raise RewardError(
+                f"reward {reward_label(func)} cannot take the arguments every reward is called with, "
+                f"(completions, {shown}): {err}; declare it as def f(completions, **columns)"
+            ) from None
 
 
 def _present(value: Any, strict: bool) -> bool:

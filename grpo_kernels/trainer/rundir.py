@@ -127,6 +127,10 @@ def run_files(out_dir: Path) -> list[Path]:
 def prepare_output_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """Make `out_dir` ready for a run: refuse one that holds another run unless `resume` (continue it) or
     `overwrite` (delete that run's files, nothing else); remove the temporaries of an interrupted save."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(
+            f"--output-dir {str(out_dir)!r} is a file, not a folder: name a folder (a missing one is made)"
+        )
     existing = run_files(out_dir)
     if existing and not (resume or overwrite):
         names = ", ".join(p.name for p in existing[:4]) + (", ..." if len(existing) > 4 else "")

@@ -76,7 +76,7 @@ def generate(
     """One batched `generate` for every prompt × G (× 1 with `greedy`, for evaluation). With `seeds` (one per
     completion, prompt-major), completion i is sampled from its own generator seeded with seeds[i] (`SeededSampler`)
     instead of the global RNG."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
     g = 1 if greedy else cfg.num_generations
@@ -96,23 +96,7 @@ def generate(
     sample = not greedy and not seeded  # seeded sampling runs greedy over SeededSampler's scores
     if seeded:  # greedy search returns one sequence per input: the prompts are repeated here instead
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0)
-    gen_cfg = GenerationConfig(
-        do_sample=sample,
-        temperature=cfg.temperature if sample else None,
-        top_p=cfg.top_p if sample else None,
-        top_k=cfg.top_k if sample else None,
-        max_new_tokens=cfg.max_completion_length,
-        num_return_sequences=1 if seeded else g,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        bos_token_id=tokenizer.bos_token_id,
-        # Explicit neutral values: transformers fills the fields left None from the model's generation_config, and
-        # any other warper would make the sampler differ from softmax(logits / temperature), the loss' policy.
-        repetition_penalty=1.0,
-        typical_p=1.0,
-        no_repeat_ngram_size=0,
-        use_cache=True,
-    )
+    gen_cfg = generation_config(cfg, sample, tokenizer, eos, 1 if seeded else g)
     was_training = model.training
     model.eval()  # no dropout while sampling
     processors = LogitsProcessorList([SeededSampler(seeds, cfg, device)] if seeded else [])
@@ -131,6 +115,29 @@ def generate(
         completion_ids,
         completion_mask,
         ~is_eos.any(1),
+    )
+
+
+def generation_config(cfg: TrainConfig, sample: bool, tokenizer: Any, eos: list[int], num_return: int) -> Any:
+    """transformers' GenerationConfig of one `generate` call: sampling (`sample`) or greedy search."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=sample,
+        temperature=cfg.temperature if sample else None,
+        top_p=cfg.top_p if sample else None,
+        top_k=cfg.top_k if sample else None,
+        max_new_tokens=cfg.max_completion_length,
+        num_return_sequences=num_return,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        bos_token_id=tokenizer.bos_token_id,
+        # Explicit neutral values: transformers fills the fields left None from the model's generation_config, and
+        # any other warper would make the sampler differ from softmax(logits / temperature), the loss' policy.
+        repetition_penalty=1.0,
+        typical_p=1.0,
+        no_repeat_ngram_size=0,
+        use_cache=True,
     )
 
 

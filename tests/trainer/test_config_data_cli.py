@@ -363,3 +363,13 @@ def test_a_module_function_reward_resolves_from_the_current_folder(tmp_path, mon
     (func,) = load_reward_funcs("cwd_rewards_probe:digit_reward")
     assert func(["x"]) == [1.0]
     assert str(tmp_path) not in sys.path  # the lookup leaves sys.path as it found it
+
+
+def test_trls_solution_column_is_the_answer_when_answer_column_is_left_at_its_default():
+    from grpo_kernels.rewards import accuracy_reward
+    from grpo_kernels.trainer.rowcheck import check_rows
+
+    rows = [{"prompt": "1+1=", "solution": "2"}, {"prompt": "2+2=", "solution": "4"}]
+    check_rows(rows, Columns(), [accuracy_reward], "dataset 'd.jsonl'", lambda i: f"line {i + 1}")
+    kwargs = reward_columns(rows, Columns(), repeat=1)
+    assert accuracy_reward(["<answer>2</answer>", "<answer>5</answer>"], **kwargs) == [1.0, 0.0]
