@@ -346,6 +346,14 @@ FAKE_NAMEDTUPLE = (
 )
 WRONG_REVERSE = "class Solution:\n    def reverseList(self, head):\n        return head\n"
 
+OWN_MODULE = (
+    "import inspect, os, pickle\nclass Point:\n    def __init__(self, x):\n        self.x = x\n"
+    "def source_lines():\n    return len(inspect.getsource(source_lines).splitlines())\n"
+    "def file_name():\n    return os.path.basename(__file__)\n"
+    "def round_trip(x):\n    return pickle.loads(pickle.dumps(Point(x))).x\n"
+)
+OWN_MODULE_TESTS = "assert source_lines() == 2\nassert file_name() == 'solution.py'\nassert round_trip(7) == 7\n"
+
 JUDGED = {
     # names the tests use: standard modules and builtins are the judge's own, whatever the solution binds
     "math-class": (MATH_CLASS, ISCLOSE, None, False, 0),
@@ -388,6 +396,8 @@ JUDGED = {
     # the tests' own classes cross the same way: as a bare class of the name there, or the solution's own
     "tests-own-node": ("def second(head):\n    return head.next\n", OWN_NODE_TESTS, None, False, 1),
     "tests-own-node-made-there": (TWICE, OWN_NODE_TESTS, None, False, 1),
+    # the solution is a module of its own, as `python solution.py` would run it
+    "own-module": (OWN_MODULE, OWN_MODULE_TESTS, None, False, 1),
     # unittest-style tests
     "unittest-main": ("def add(a, b):\n    return a + b\n", UNITTEST + "unittest.main()\n", None, False, 1),
     "unittest-main-wrong": (WRONG_ADD, UNITTEST + "if __name__ == '__main__':\n    unittest.main()\n", None, False, 0),

@@ -597,7 +597,8 @@ def serve(program: str, calls: int, replies: int) -> None:
     """Run what the judge sends first (the setup's imports and classes, one statement each), then `program`; offer
     its top-level names to the judge, then answer the judge's calls until it hangs up. A value crosses as plain data
     (the setup's classes by their fields), an iterator as its items, a chunk at a time; anything else stays here."""
-    scope = {"__name__": "__main__", "__builtins__": builtins}
+    module = main_module(program)  # `__file__`, `inspect.getsource` and pickling its classes work here too
+    scope = module.__dict__
     objects: list[object] = []
     chunks: dict[int, int] = {}  # an iterator's id -> how many items its next chunk holds
     reader = wire.Reader(calls)
@@ -660,7 +661,7 @@ def serve(program: str, calls: int, replies: int) -> None:
         return objects[value.id] if type(value) is wire.Handle else value
 
     try:
-        exec(compile(program, "solution.py", "exec"), scope)  # noqa: S102 - running it is the point, in here
+        exec(compile(program, module.__file__, "exec"), scope)  # noqa: S102 - running it is the point, in here
     except BaseException:  # noqa: BLE001 - a solution that does not load offers nothing
         import traceback  # only a failing program pays for it
 
