@@ -25,7 +25,7 @@ import pytest
 
 from grpo_kernels.ops import triton_logits
 
-from . import hopper_aot
+from . import hopper_aot, sass_model
 from .test_hopper_compile import _require_aot, site_id, triton_sites
 
 TOKENS = 16384  # B·T of the benchmark's headline shapes
@@ -46,6 +46,10 @@ COPY_BANDWIDTH = triton_logits.COPY_BANDWIDTH  # B/s: the copy rate measured on 
 ISSUE_MARGIN = triton_logits.ISSUE_MARGIN  # the issue bound must clear the copy rate by this much
 LATENCY = 0.7e-6  # s: loaded DRAM latency
 CLOCK = 1.98e9  # Hz: H100/H200 SXM boost clock; each SM issues 4 warp instructions per cycle
+# The full model's assumptions, at their pessimistic end (docs/performance.md, section 6).
+SUSTAINED_CLOCK = 1.755e9  # Hz: a sustained clock under load (the boost clock is 1.98 GHz)
+DRAM_LATENCY = 0.8e-6  # s: a loaded DRAM access
+L2_LATENCY = 0.4e-6  # s: an L2 hit under load
 FUSED = "fused_token_grad_fwd_kernel"
 KERNELS = (  # (label, kernel, flags, DRAM bytes per logit byte counted by the bound)
     ("stats", "row_stats_fwd_kernel", {"ALIGNED": True}, 1),
@@ -155,6 +159,7 @@ def predict(row: dict, compiled: dict) -> dict:
         "issue_per_sm": issue / busy,
         "l2_set": resident * row_bytes if two_pass else None,
     }
+    out.update(row_model(row, compiled, grid, resident, full_tiles, chunks))
     if two_pass:
         budget = triton_logits.L2_FRACTION * l2
         miss = max(0.0, 1.0 - budget / out["l2_set"])
@@ -164,6 +169,84 @@ def predict(row: dict, compiled: dict) -> dict:
         # Issue at 1 / ISSUE_MARGIN efficiency (the margin the issue target leaves for it), against DRAM time.
         out["predicted"] = floor / max(dram_time, floor * ISSUE_MARGIN / issue)  # floor bytes per second
     return out
+
+
+def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: int, chunks: int,
+              clock: float = SUSTAINED_CLOCK, copy: float = COPY_BANDWIDTH, sms: int = triton_logits.REFERENCE_SMS,
+              mufu_per_clk: float = sass_model.MUFU_PER_CLK) -> dict:  # fmt: skip
+    """Everything a row costs, from the SASS (tests/ops/sass_model.py): the instructions one warp issues per row (the
+    program's setup shared by its rows, the row loop with its tile loops at their trips), the pipe bounds they give
+    (issue 4/clk/SM, MUFU 16 lanes/clk/SM, ALU 64 lanes/clk/SM), and the latency bound: the time one CTA takes per
+    row on the timeline of sass_model.simulate, overlapped across the resident CTAs. Pass 2's loads take the L2
+    latency for the share of the row still in L2, DRAM latency for the rest, and its misses cost DRAM traffic."""
+    code = sass_model.expand(compiled["sass_code"])
+    st = sass_model.structure(code)
+    two_pass = row["kernel"] == FUSED
+    trips = [full_tiles, chunks] * (2 if two_pass else 1)
+    rows_per_program = -(-TOKENS // grid)
+    simulated = min(rows_per_program, 3)
+    seq, starts = sass_model.walk_rows(code, trips, simulated)
+    row_bytes = row["vocab"] * hopper_aot.ELEMENT_BYTES[row["dtype"]]
+    l2_set = resident * row_bytes
+    miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * row["l2"] / l2_set) if two_pass else 0.0
+    dram_cycles, l2_cycles = DRAM_LATENCY * clock, L2_LATENCY * clock
+    pass2_from = st.tile_loops[1][1] if two_pass else len(code)  # after pass 1's last tile loop: the row re-read
+
+    def latency(i: int) -> float:
+        return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
+
+    warps = compiled["num_warps"]
+    times = sass_model.simulate(code, seq, max(1, warps // 4), latency)
+    ends = [*starts[1:], len(seq)]
+    setup_t, first_t = times[starts[0]], times[ends[0]] - times[starts[0]]
+    steady_t = (times[ends[-1]] - times[ends[0]]) / (simulated - 1) if simulated > 1 else first_t
+    row_cycles = (setup_t + first_t + (rows_per_program - 1) * steady_t) / rows_per_program
+    counts = sass_model.pipe_counts(code, seq[starts[-1] : ends[-1]])
+    setup = sass_model.pipe_counts(code, seq[: starts[0]])
+    per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
+    in_loops = [i for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops)]
+    loop_instr = len(in_loops)
+    busy = min(resident, sms)
+    floor = row_bytes * row["dram"]
+
+    def rate(warp_instr: float, per_clk: float) -> float:
+        return busy * per_clk * clock / (warp_instr * warps) * floor if warp_instr else float("inf")
+
+    out = {
+        "per_row": per_row,
+        "outside_loops": per_row["issue"] - loop_instr,
+        "leads": [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops],
+        "row_cycles": row_cycles,
+        "full_issue": rate(per_row["issue"], sass_model.ISSUE_PER_CLK),
+        "full_mufu": rate(per_row["mufu"], mufu_per_clk),
+        "full_alu": rate(per_row["alu"], sass_model.ALU_PER_CLK),
+        "full_latency": resident * floor * clock / row_cycles,
+        "full_dram": copy * floor / (floor + miss * row_bytes),
+        "full_miss": miss,
+    }
+    out["full_min"] = min(out[k] for k in ("full_issue", "full_mufu", "full_alu", "full_latency", "full_dram"))
+    out["binding"] = min(("issue", "mufu", "alu", "latency", "dram"), key=lambda k: out[f"full_{k}"])
+    return out
+
+
+def print_full_model(rows: list[dict], device: str) -> None:
+    first = rows[0]
+    print(
+        f"\nFull row model, Triton {first['triton']}, sm_90a, {device}, B·T = {TOKENS}; assumptions: clock "
+        f"{SUSTAINED_CLOCK / 1e9:.3f} GHz, DRAM latency {DRAM_LATENCY * 1e6:.1f} µs, L2 hit {L2_LATENCY * 1e6:.1f} µs, "
+        f"copy rate {COPY_BANDWIDTH / 1e12:.1f} TB/s, issue 4/clk/SM, MUFU 16/clk/SM, ALU 64/clk/SM, barrier "
+        f"{sass_model.BARRIER} cycles; TB/s of floor traffic (predictions)"
+    )
+    print(f"{'kernel':<16}{'dtype':<6}{'V':>7}{'grid':>7}{'CTA/SM':>7}{'stages':>7}{'SASS/tile':>10}{'per row':>9}"
+          f"{'outside':>8}{'lead':>10}{'issue':>7}{'MUFU':>7}{'ALU':>7}{'latency':>8}{'DRAM':>7}{'min':>7}  bound")  # fmt: skip
+    for m in rows:
+        leads = "/".join(f"{x:.2f}" for x in m["leads"] if x is not None) or "-"
+        print(
+            f"{m['label']:<16}{m['dtype']:<6}{m['vocab']:>7}{m['grid']:>7}{m['occupancy']:>7}{m['num_stages']:>7}"
+            f"{'+'.join(map(str, m['sass_per_tile'])):>10}{m['per_row']['issue']:>9.0f}{m['outside_loops']:>8.0f}"
+            f"{leads:>10}{m['full_issue'] / 1e12:>7.2f}{m['full_mufu'] / 1e12:>7.2f}{m['full_alu'] / 1e12:>7.2f}"
+            f"{m['full_latency'] / 1e12:>8.2f}{m['full_dram'] / 1e12:>7.2f}{m['full_min'] / 1e12:>7.2f}  {m['binding']}"
+        )
 
 
 def print_model(rows: list[dict]) -> None:
@@ -208,6 +291,7 @@ def model(request) -> list[dict]:
             m["grid_name"] = "l2" if same and same[0]["grid"] == m["grid"] else "sms"
     for device, _, _ in DEVICES:
         print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
+        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], device)
     return out
 
 
