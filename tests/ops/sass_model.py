@@ -132,8 +132,9 @@ def structure(code: list[Instr]) -> Structure:
 
 
 def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int], int], index: dict[int, int],
-          inner: dict[int, int], tiles: set[int]) -> Iterator[int]:  # fmt: skip
-    """Indices issued from `start` up to (excluding) `stop` on the path of the module docstring."""
+          inner: dict[int, int], tiles: set[int]) -> Iterator[tuple[int, int]]:  # fmt: skip
+    """(index, trip of its innermost loop or -1) issued from `start` up to (excluding) `stop` on the path of the
+    module docstring."""
     i = start
     while start <= i < stop:
         if i in inner:
@@ -143,7 +144,7 @@ def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int],
             for trip in range(n):
                 j = i
                 while j <= back:
-                    yield j
+                    yield j, trip
                     t = code[j].branch_target()
                     if t is not None and j < back and t > code[j].addr:
                         k = index[t]
@@ -160,7 +161,7 @@ def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int],
                 break
             i = nxt
             continue
-        yield i
+        yield i, -1
         c = code[i]
         if c.op == "EXIT" and not c.predicated:
             return
@@ -181,9 +182,11 @@ def _skips_tiles(code: list[Instr], i: int, k: int, index: dict[int, int], tiles
     return False
 
 
-def walk_rows(code: list[Instr], tile_trips: list[int], rows: int) -> tuple[list[int], list[int]]:
-    """(instruction indices in issue order, the position in that list where each row starts): the setup before the
-    row loop, then `rows` trips of the row loop. `tile_trips`: trips of each tile loop, in program order."""
+def walk_rows(code: list[Instr], tile_trips: list[int], rows: int) -> tuple[list[int], list[int], set[int]]:
+    """(instruction indices in issue order, the position in that list where each row starts, the positions of
+    tile copies predicated off): the setup before the row loop, then `rows` trips of the row loop. `tile_trips`:
+    trips of each tile loop, in program order. A copy is off when its tile is past the loop's last: in trip t of a
+    loop that waits with `DEPBAR.LE SB0, k` it loads tile t + k + 1; before the loop, copy group g loads tile g."""
     st = structure(code)
     if len(tile_trips) != len(st.tile_loops):
         raise ValueError(f"{len(st.tile_loops)} tile loops in the SASS, {len(tile_trips)} trip counts given")
@@ -191,32 +194,52 @@ def walk_rows(code: list[Instr], tile_trips: list[int], rows: int) -> tuple[list
     index = {c.addr: i for i, c in enumerate(code)}
     inner = dict(st.inner)
     heads = {a for a, _ in st.tile_loops}
-    seq = list(_walk(code, 0, st.row_head, trips, index, inner, heads))
+    walked = list(_walk(code, 0, st.row_head, trips, index, inner, heads))
     starts = []
     for _ in range(rows):
-        starts.append(len(seq))
-        seq += list(_walk(code, st.row_head, st.row_back, trips, index, inner, heads))
-        seq.append(st.row_back)
-    walked = set(seq)
-    missed = [lp for lp, n in trips.items() if n and lp[0] not in walked]
+        starts.append(len(walked))
+        walked += list(_walk(code, st.row_head, st.row_back, trips, index, inner, heads))
+        walked.append((st.row_back, -1))
+    seq = [i for i, _ in walked]
+    missed = [lp for lp, n in trips.items() if n and lp[0] not in set(seq)]
     if missed:
         raise ValueError(f"tile loops off the walked path: {missed}")
-    return seq, starts
+    outstanding = {}
+    for a, b in st.tile_loops:
+        waits = [m for j in range(a, b + 1) if (m := _DEPBAR.search(code[j].text))]
+        outstanding[(a, b)] = int(waits[0].group(1), 0) if waits else 0
+    off, group = set(), 0
+    for pos, (i, trip) in enumerate(walked):
+        c = code[i]
+        loop = next(((a, b) for a, b in st.tile_loops if a <= i <= b), None)
+        if loop is not None:
+            group = 0
+            if c.op.startswith("LDGSTS") and trip + outstanding[loop] + 1 >= trips[loop]:
+                off.add(pos)
+        elif c.op == "LDGDEPBAR":
+            group += 1
+        elif c.op.startswith("LDGSTS"):
+            following = [lp for lp in st.tile_loops if lp[0] > i]
+            if following and group >= trips[following[0]]:
+                off.add(pos)
+    return seq, starts, off
 
 
 def is_global_load(c: Instr) -> bool:
     return c.op.startswith("LDG") and not c.op.startswith(("LDGSTS", "LDGDEPBAR"))
 
 
-def simulate(code: list[Instr], seq: list[int], share: int, load_latency: Callable[[int], float]) -> list[float]:
+def simulate(code: list[Instr], seq: list[int], share: int, load_latency: Callable[[int], float],
+             off: set[int] = frozenset()) -> list[float]:  # fmt: skip
     """Issue time (cycles) of each entry of `seq` for one warp (module docstring); the last entry is the end.
-    `load_latency(index)`: the latency of the global load or tile copy at that instruction."""
+    `load_latency(index)`: the latency of the global load or tile copy at that instruction; `off`: positions in
+    `seq` of copies predicated off (they complete at once)."""
     ready = [0.0] * 6
     groups: list[float] = []  # completion of each committed copy group, in commit order
     open_group = 0.0
     t = 0.0
     times = []
-    for i in seq:
+    for pos, i in enumerate(seq):
         c = code[i]
         for b in c.waits:
             t = max(t, ready[b])
@@ -229,16 +252,13 @@ def simulate(code: list[Instr], seq: list[int], share: int, load_latency: Callab
             t += BARRIER
         times.append(t)
         if op.startswith("LDGSTS"):
-            open_group = max(open_group, t + load_latency(i))
+            open_group = max(open_group, t if pos in off else t + load_latency(i))
         elif op == "LDGDEPBAR":
             groups.append(max(open_group, groups[-1] if groups else 0.0))
             open_group = 0.0
         elif (sb := c.sets_sb) is not None:
-            if is_global_load(c):
-                done = t + load_latency(i)
-            else:
-                done = t + SHORT_LATENCY.get(op.split(".")[0], DEFAULT_SHORT)
-            ready[sb] = max(ready[sb], done)
+            short = SHORT_LATENCY.get(op.split(".")[0], DEFAULT_SHORT)
+            ready[sb] = max(ready[sb], t + (load_latency(i) if is_global_load(c) else short))
         t += max(c.stall, share)
     times.append(t)
     return times

@@ -185,7 +185,7 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: i
     trips = [full_tiles, chunks] * (2 if two_pass else 1)
     rows_per_program = -(-TOKENS // grid)
     simulated = min(rows_per_program, 3)
-    seq, starts = sass_model.walk_rows(code, trips, simulated)
+    seq, starts, off = sass_model.walk_rows(code, trips, simulated)
     row_bytes = row["vocab"] * hopper_aot.ELEMENT_BYTES[row["dtype"]]
     l2_set = resident * row_bytes
     miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * row["l2"] / l2_set) if two_pass else 0.0
@@ -196,7 +196,7 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: i
         return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
 
     warps = compiled["num_warps"]
-    times = sass_model.simulate(code, seq, max(1, warps // 4), latency)
+    times = sass_model.simulate(code, seq, max(1, warps // 4), latency, off)
     ends = [*starts[1:], len(seq)]
     setup_t, first_t = times[starts[0]], times[ends[0]] - times[starts[0]]
     steady_t = (times[ends[-1]] - times[ends[0]]) / (simulated - 1) if simulated > 1 else first_t
@@ -238,7 +238,8 @@ def print_full_model(rows: list[dict], device: str) -> None:
         f"{sass_model.BARRIER} cycles; TB/s of floor traffic (predictions)"
     )
     print(f"{'kernel':<16}{'dtype':<6}{'V':>7}{'grid':>7}{'CTA/SM':>7}{'stages':>7}{'SASS/tile':>10}{'per row':>9}"
-          f"{'outside':>8}{'lead':>10}{'issue':>7}{'MUFU':>7}{'ALU':>7}{'latency':>8}{'DRAM':>7}{'min':>7}  bound")  # fmt: skip
+          f"{'outside':>8}{'lead':>10}{'issue':>7}{'MUFU':>7}{'ALU':>7}{'latency':>8}{'DRAM':>7}{'min':>7}"
+          "  bound")  # fmt: skip
     for m in rows:
         leads = "/".join(f"{x:.2f}" for x in m["leads"] if x is not None) or "-"
         print(
