@@ -881,7 +881,9 @@ L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fil
 # Tiles in flight per program, at least. The compiled loop issues a tile's copies after the barrier that frees its
 # buffer, late in the body, so k tiles in flight lead the wait for them by k + 1 − (that fraction) tiles: 3 keep
 # every copy at least 2 tiles ahead of its use (tests/ops/test_performance_model.py reads the lead off the SASS).
-TILES_IN_FLIGHT = 3
+TILES_IN_FLIGHT: int | None = None  # None: the variable GRPO_KERNELS_TILES_IN_FLIGHT, else DEFAULT_TILES_IN_FLIGHT
+DEFAULT_TILES_IN_FLIGHT = 3
+TILES_IN_FLIGHT_VARIABLE = "GRPO_KERNELS_TILES_IN_FLIGHT"
 MAX_PIPELINE_BYTES = 192 << 10  # shared memory for the tiles in flight of one program (227 KiB per block on sm_90)
 # The fused kernel's two grids (`_fused_grid`). "sms": every SM busy (its resident programs), whatever the rows in
 # flight; "l2": no more programs than rows that fit L2_FRACTION of L2, so pass 2 re-reads from L2. By default the
@@ -905,6 +907,21 @@ def fused_grid_mode() -> str | None:
     if mode not in (None, "sms", "l2"):
         raise ValueError(f"{FUSED_GRID_VARIABLE} (or triton_logits.FUSED_GRID) must be 'sms' or 'l2', got {mode!r}")
     return mode
+
+
+def tiles_in_flight() -> int:
+    """The least tiles in flight per program: `TILES_IN_FLIGHT`, else the GRPO_KERNELS_TILES_IN_FLIGHT variable (so
+    that a GPU can time the schedules), else DEFAULT_TILES_IN_FLIGHT."""
+    value = TILES_IN_FLIGHT if TILES_IN_FLIGHT is not None else os.environ.get(TILES_IN_FLIGHT_VARIABLE)
+    if value is None or value == "":
+        return DEFAULT_TILES_IN_FLIGHT
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if not 1 <= count <= 8:
+        raise ValueError(f"{TILES_IN_FLIGHT_VARIABLE} (or triton_logits.TILES_IN_FLIGHT) must be 1 to 8, got {value!r}")
+    return count
 
 
 def _programs_per_sm(num_warps: int, two_pass: bool) -> int:
@@ -974,7 +991,7 @@ def _pipeline(
     if tiles <= 1:  # the whole row is one tile: only more programs put more loads in flight
         return 1, min(per_sm, -(-IN_FLIGHT_PER_SM // tile_bytes))
     want = -(-IN_FLIGHT_PER_SM * sms // (resident * tile_bytes))  # tiles in flight per program
-    want = max(want, TILES_IN_FLIGHT)
+    want = max(want, tiles_in_flight())
     return 1 + max(1, min(want, tiles, MAX_PIPELINE_BYTES // tile_bytes)), per_sm
 
 

@@ -316,6 +316,7 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
         "block_v": block_v,
         "num_warps": num_warps,
         "num_stages": constexprs.get("NUM_STAGES", 1),
+        "tail_slots": constexprs.get("TAIL_SLOTS"),
         "maxnreg": options.get("maxnreg"),
         "regs": regs,
         "spill_stores": spill_st,

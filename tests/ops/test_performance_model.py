@@ -20,6 +20,7 @@ Every figure is a prediction from the compile; `pytest -s` prints the tables.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -108,9 +109,10 @@ def configs_for(site: str | None) -> tuple[list[dict], list[dict]]:
     return list(compiles.values()), rows
 
 
-def predict(row: dict, compiled: dict) -> dict:
-    """The model of one (device, kernel, dtype, V, grid) from its compile."""
-    sms, l2 = triton_logits.REFERENCE_SMS, row["l2"]
+def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, **device) -> dict:
+    """The model of one (device, kernel, dtype, V, grid) from its compile; `device`: row_model's clock and copy
+    rate where they are not the Hopper ones."""
+    l2 = row["l2"]
     elem = hopper_aot.ELEMENT_BYTES[row["dtype"]]
     vocab, block_v, warps = row["vocab"], compiled["block_v"], compiled["num_warps"]
     row_bytes = vocab * elem
@@ -122,21 +124,24 @@ def predict(row: dict, compiled: dict) -> dict:
     # The tile loops are the software-pipelined ones (the tail and dead-row loops are short or load nothing).
     pipelined = [lp["bytes_per_program"] for lp in compiled["loops"] if lp["pipelined"]]
     per_program = min(pipelined) if pipelined else 0
-    # Each pass is a tile loop over the full tiles, then a loop over the ragged tail in smaller tiles, each of its
-    # iterations counted in full (where a compiler lays a tail tile across threads, its exp2 count doubles and so
-    # does its cost: that is counted, not divided away).
+    # Each pass is one tile loop over every tile, the last one overlapping the one before (TAIL_SLOTS = 0,
+    # `triton_logits._tail_tile`), or a tile loop over the full tiles, then a loop over the ragged tail in smaller
+    # tiles, each of its iterations counted in full (where a compiler lays a tail tile across threads, its exp2
+    # count doubles and so does its cost: that is counted, not divided away).
     loops = compiled["sass_loops"]
     passes = 2 if two_pass else 1
-    assert len(loops) == 2 * passes, f"expected a tile loop and a tail loop per pass: {loops}"
+    per_pass = 1 if compiled["tail_slots"] == 0 else 2
+    assert len(loops) == per_pass * passes, f"expected {per_pass} tile loop(s) per pass: {loops}"
     per_thread = block_v // (32 * warps)  # logits per thread per tile
     slots, vec = triton_logits._tile_shape(block_v, elem)
-    chunk = triton_logits._tail_slots(slots, warps) * vec  # the tail's tiles
-    full_tiles = vocab // block_v
-    chunks = math.ceil((vocab - full_tiles * block_v) / chunk)
+    if per_pass == 1:
+        trips = [-(-vocab // block_v)] * passes
+    else:
+        chunk = triton_logits._tail_slots(slots, warps) * vec  # the tail's tiles
+        trips = [vocab // block_v, math.ceil((vocab % block_v) / chunk)] * passes
     per_row = 0.0
-    for main, tail in zip(loops[0::2], loops[1::2], strict=True):
-        per_row += full_tiles * main["instructions"] + main["once"] + chunks * tail["instructions"]
-        per_row += tail["once"] if chunks else 0
+    for lp, n in zip(loops, trips, strict=True):
+        per_row += n * lp["instructions"] + (lp["once"] if n else 0)
     cycles_per_row = per_row * warps / 4
     busy = min(resident, sms)
     issue = busy * row_bytes * CLOCK / cycles_per_row * row["dram"]
@@ -150,16 +155,16 @@ def predict(row: dict, compiled: dict) -> dict:
         "resident": resident,
         "flight_program": per_program,
         "flight_sm": resident * per_program / sms,
-        "sass_per_tile": [lp["instructions"] for lp in loops[0::2]],
-        "once": [lp["once"] for lp in loops[0::2]],
-        "ex2": [lp["ex2"] for lp in loops[0::2]],
+        "sass_per_tile": [lp["instructions"] for lp in loops[::per_pass]],
+        "once": [lp["once"] for lp in loops[::per_pass]],
+        "ex2": [lp["ex2"] for lp in loops[::per_pass]],
         "vec": 16 // elem,
         "per_thread": per_thread,
         "issue": issue,
         "issue_per_sm": issue / busy,
         "l2_set": resident * row_bytes if two_pass else None,
     }
-    out.update(row_model(row, compiled, grid, resident, full_tiles, chunks))
+    out.update(row_model(row, compiled, grid, resident, trips, sms=sms, **device))
     if two_pass:
         budget = triton_logits.L2_FRACTION * l2
         miss = max(0.0, 1.0 - budget / out["l2_set"])
@@ -171,7 +176,7 @@ def predict(row: dict, compiled: dict) -> dict:
     return out
 
 
-def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: int, chunks: int,
+def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[int],
               clock: float = SUSTAINED_CLOCK, copy: float = COPY_BANDWIDTH, sms: int = triton_logits.REFERENCE_SMS,
               mufu_per_clk: float = sass_model.MUFU_PER_CLK) -> dict:  # fmt: skip
     """Everything a row costs, from the SASS (tests/ops/sass_model.py): the instructions one warp issues per row (the
@@ -182,7 +187,6 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: i
     code = sass_model.expand(compiled["sass_code"])
     st = sass_model.structure(code)
     two_pass = row["kernel"] == FUSED
-    trips = [full_tiles, chunks] * (2 if two_pass else 1)
     rows_per_program = -(-TOKENS // grid)
     simulated = min(rows_per_program, 3)
     seq, starts, off = sass_model.walk_rows(code, trips, simulated)
@@ -190,7 +194,8 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: i
     l2_set = resident * row_bytes
     miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * row["l2"] / l2_set) if two_pass else 0.0
     dram_cycles, l2_cycles = DRAM_LATENCY * clock, L2_LATENCY * clock
-    pass2_from = st.tile_loops[1][1] if two_pass else len(code)  # after pass 1's last tile loop: the row re-read
+    # after pass 1's last tile loop: the row re-read
+    pass2_from = st.tile_loops[len(st.tile_loops) // 2 - 1][1] if two_pass else len(code)
 
     def latency(i: int) -> float:
         return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
@@ -229,12 +234,14 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, full_tiles: i
     return out
 
 
-def print_full_model(rows: list[dict], device: str) -> None:
+def print_full_model(
+    rows: list[dict], device: str, copy: float = COPY_BANDWIDTH, clock: float = SUSTAINED_CLOCK
+) -> None:
     first = rows[0]
     print(
-        f"\nFull row model, Triton {first['triton']}, sm_90a, {device}, B·T = {TOKENS}; assumptions: clock "
-        f"{SUSTAINED_CLOCK / 1e9:.3f} GHz, DRAM latency {DRAM_LATENCY * 1e6:.1f} µs, L2 hit {L2_LATENCY * 1e6:.1f} µs, "
-        f"copy rate {COPY_BANDWIDTH / 1e12:.1f} TB/s, issue 4/clk/SM, MUFU 16/clk/SM, ALU 64/clk/SM, barrier "
+        f"\nFull row model, Triton {first['triton']}, {device}, B·T = {TOKENS}; assumptions: clock "
+        f"{clock / 1e9:.3f} GHz, DRAM latency {DRAM_LATENCY * 1e6:.1f} µs, L2 hit {L2_LATENCY * 1e6:.1f} µs, "
+        f"copy rate {copy / 1e12:.2f} TB/s, issue 4/clk/SM, MUFU 16/clk/SM, ALU 64/clk/SM, barrier "
         f"{sass_model.BARRIER} cycles; TB/s of floor traffic (predictions)"
     )
     print(f"{'kernel':<16}{'dtype':<6}{'V':>7}{'grid':>7}{'CTA/SM':>7}{'stages':>7}{'SASS/tile':>10}{'per row':>9}"
@@ -270,6 +277,39 @@ def print_model(rows: list[dict]) -> None:
         )
 
 
+# The target, per kernel and shape: min(issue, MUFU, ALU, latency, DRAM) of the full row model at least the copy
+# rate, on each device and Triton. The shapes that still miss it are listed here with the figure the model printed
+# (TB/s, Triton 3.9 / 3.6, H100) and the cause: each is asserted to be still below the target, so that the list
+# shrinks when a kernel improves. Keys: (device, kernel label, dtype, V); every Triton.
+MISSES: dict[tuple[str, str, str, int], str] = {}
+
+
+def _misses(model: list[dict]) -> tuple[list, list]:
+    """(shapes off the list below the target, listed shapes at or above it), in the launcher's default plans."""
+    below, above = [], []
+    for m in model:
+        if m["grid_mode"] != "default":
+            continue
+        key = (m["device"], m["label"], m["dtype"], m["vocab"])
+        figure = (m["triton"], *key, round(m["full_min"] / 1e12, 2), m["binding"])
+        meets = m["full_min"] >= COPY_BANDWIDTH * (1 - 1e-9)
+        if key in MISSES and meets:
+            above.append(figure)
+        elif key not in MISSES and not meets:
+            below.append(figure)
+    return below, above
+
+
+def test_every_row_meets_the_copy_rate(model):
+    """Everything a row costs (tests/ops/sass_model.py: every SASS instruction of the row at its trips, the pipe
+    bounds, the timeline of waits, the resident CTAs' overlap, pass 2's L2 misses), at the pessimistic end of the
+    assumptions: min(issue, MUFU, ALU, latency, DRAM) >= the copy rate, for every kernel, dtype, vocabulary and
+    device, except the shapes listed in MISSES, which must still be below it."""
+    below, above = _misses(model)
+    assert not below, f"below the copy rate ({COPY_BANDWIDTH / 1e12} TB/s) and not in MISSES: {below}"
+    assert not above, f"listed in MISSES but now at or above the copy rate (shrink the list): {above}"
+
+
 def test_in_flight_target_follows_littles_law():
     """32 KiB per SM over 132 SMs covers the copy rate at 0.7 µs with 40 % to spare (22.8 KB needed)."""
     needed = COPY_BANDWIDTH * LATENCY / triton_logits.REFERENCE_SMS
@@ -292,7 +332,7 @@ def model(request) -> list[dict]:
             m["grid_name"] = "l2" if same and same[0]["grid"] == m["grid"] else "sms"
     for device, _, _ in DEVICES:
         print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
-        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], device)
+        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")
     return out
 
 
@@ -476,3 +516,109 @@ def test_ptx_and_sass_loop_analysis():
     assert hopper_aot.programs_per_sm(64, 16, 16448) == 2
     assert hopper_aot.programs_per_sm(111, 16, 65600) == 1
     assert hopper_aot.programs_per_sm(64, 16, 230 << 10) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Blackwell (sm_100a): compiled and modelled, reported, not gated. The B200 figures are assumptions: 148 SMs; a
+# sustained clock of 1.755 GHz (the Hopper figure's 0.89 of boost, applied to the 1.98 GHz boost that public spec
+# listings give; NVIDIA publishes none); copy rate 7.2 TB/s (the 8 TB/s HBM3e of NVIDIA's HGX B200 sheet at the H200's
+# measured 4.3 of 4.8 TB/s); MUFU still 16 lanes/clk/SM. The launch plans are the H200's (60 MB of L2), the grids
+# are sized for 148 SMs.
+B200 = {"sms": 148, "clock": 1.755e9, "copy": 8.0e12 * 4.3 / 4.8}
+
+
+@pytest.fixture(scope="module")
+def blackwell() -> list[dict]:
+    _require_aot(None)
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell").exists():
+        pytest.skip("this Triton ships no Blackwell ptxas")
+    _, rows = configs_for(None)
+    rows = [r for r in rows if r["device"] == "H200" and r["grid_mode"] == "default"]
+    compiles: dict[tuple, dict] = {}
+    for r in rows:
+        if r["plan"] not in compiles:
+            flags = dict(r["plan"][-1])
+            compiles[r["plan"]] = hopper_aot.config(r["label"], r["kernel"], r["dtype"], r["vocab"], flags,
+                                                    l2_bytes=r["l2"], arch=100)  # fmt: skip
+    plans = list(compiles)
+    compiled = dict(zip(plans, hopper_aot.compile_rows([compiles[p] for p in plans], None, sass=True), strict=True))
+    out = [{**predict({**r, "device": "B200"}, compiled[r["plan"]], **B200), "ptxas": compiled[r["plan"]]["ptxas"]}
+           for r in rows]  # fmt: skip
+    print(f"\nB200 (sm_100a, {out[0]['ptxas']}), assumed: {B200['sms']} SMs, {B200['clock'] / 1e9:.3f} GHz, copy rate "
+          f"{B200['copy'] / 1e12:.2f} TB/s, MUFU 16/clk/SM (reported, not asserted)")  # fmt: skip
+    print_full_model(out, "B200", copy=B200["copy"], clock=B200["clock"])
+    return out
+
+
+def test_blackwell_compile(blackwell):
+    """sm_100a with Triton's Blackwell ptxas: 0 spills in every plan; the rows whose MUFU bound is below the B200
+    copy rate are printed (Blackwell kept 16 exp2/clk/SM while its bandwidth nearly doubled)."""
+    spilled = [(m["label"], m["dtype"], m["vocab"], m["spill_stores"], m["spill_loads"]) for m in blackwell
+               if m["spill_stores"] or m["spill_loads"]]  # fmt: skip
+    assert not spilled, f"sm_100a register spills: {spilled}"
+    mufu = sorted({(m["label"], m["dtype"]) for m in blackwell if m["full_mufu"] < B200["copy"]})
+    print(f"MUFU below the B200 copy rate: {mufu or 'none'}")
+
+
+def _sass(lines: list[tuple[int, str, int]]) -> str:
+    """cuobjdump-style text: each instruction, then the word whose top 23 bits are its control bits."""
+    return "".join(f"        /*{a:04x}*/                   {t} ;   /* 0x0000000000000000 */\n"
+                   f"                                  /* 0x{c << 41:016x} */\n" for a, t, c in lines)  # fmt: skip
+
+
+def _ctrl(stall: int = 1, sets: int = 7, waits: int = 0) -> int:
+    return stall | sets << 5 | 7 << 8 | waits << 11
+
+
+ROW_SASS = [  # a row loop (0x00 to 0xa0) around a 2-stage tile loop (0x40 to 0x80)
+    (0x00, "S2R R0, SR_TID.X", _ctrl()),
+    (0x10, "LDG.E R1, desc[UR4][R2.64]", _ctrl(sets=0)),  # a scalar load: SB0
+    (0x20, "LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64]", _ctrl()),  # the prologue's copy of tile 0
+    (0x30, "LDGDEPBAR", _ctrl()),
+    (0x40, "DEPBAR.LE SB0, 0x0", _ctrl()),  # no group left outstanding: this trip's tile is in
+    (0x50, "MUFU.EX2 R2, R3", _ctrl()),
+    (0x60, "LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64]", _ctrl()),  # the next tile's copy
+    (0x70, "LDGDEPBAR", _ctrl()),
+    (0x80, "@P0 BRA 0x40", _ctrl()),
+    (0x90, "FADD R4, R1, R2", _ctrl(waits=1)),  # waits on SB0: the scalar load
+    (0xA0, "@P1 BRA 0x0", _ctrl()),
+    (0xB0, "EXIT", _ctrl()),
+]
+
+
+def test_sass_row_timeline():
+    """The walk and the timeline on a hand-made row: 3 trips of a tile loop with one copy group outstanding, at
+    1 cycle per instruction and 100 cycles per load. Each trip waits for its tile, issued a trip before (lead
+    1 − 2/5 tiles: the copy sits 2 of 5 instructions after the wait); the last trip's copy (tile 3 of 3) is off and
+    completes at once; the scalar load is long done when the row ends."""
+    code = sass_model.parse_sass(_sass(ROW_SASS))
+    assert [c.stall for c in code] == [1] * 12 and code[1].sets_sb == 0 and code[9].waits == [0]
+    st = sass_model.structure(code)
+    assert (st.row_head, st.row_back, st.tile_loops) == (0, 10, [(4, 8)])
+    seq, starts, off = sass_model.walk_rows(code, [3], 1)
+    assert seq == [0, 1, 2, 3, *[4, 5, 6, 7, 8] * 3, 9, 10] and starts == [0]
+    assert off == {16}  # the third trip's copy
+    times = sass_model.simulate(code, seq, 1, lambda i: 100.0, off)
+    assert times[4] == 102 and times[9] == 204 and times[14] == 306 and times[-1] == 313
+    assert sass_model.pipelined_lead(code, st.tile_loops[0]) == pytest.approx(0.6)
+    counts = sass_model.pipe_counts(code, seq)
+    assert (counts["issue"], counts["mufu"], counts["ldg"]) == (21, 3, 1)
+
+
+def test_tiles_in_flight_switch(monkeypatch):
+    """GRPO_KERNELS_TILES_IN_FLIGHT (or triton_logits.TILES_IN_FLIGHT) sets the least tiles in flight the pipeline
+    plans; anything outside 1 to 8 is refused."""
+    monkeypatch.delenv(triton_logits.TILES_IN_FLIGHT_VARIABLE, raising=False)
+    assert triton_logits.tiles_in_flight() == triton_logits.DEFAULT_TILES_IN_FLIGHT
+    plan = (8192, 2, 151936, False, triton_logits.REFERENCE_SMS, triton_logits.REFERENCE_L2_BYTES, 16)
+    assert triton_logits._pipeline(*plan)[0] == 1 + triton_logits.DEFAULT_TILES_IN_FLIGHT
+    monkeypatch.setenv(triton_logits.TILES_IN_FLIGHT_VARIABLE, "1")
+    assert triton_logits._pipeline(*plan)[0] == 2
+    monkeypatch.setattr(triton_logits, "TILES_IN_FLIGHT", 2)  # the attribute wins over the variable
+    assert triton_logits._pipeline(*plan)[0] == 3
+    for bad in (0, 9, "three"):
+        monkeypatch.setattr(triton_logits, "TILES_IN_FLIGHT", bad)
+        with pytest.raises(ValueError, match="GRPO_KERNELS_TILES_IN_FLIGHT"):
+            triton_logits.tiles_in_flight()
