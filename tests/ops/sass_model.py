@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*\s*(0x[0-9a-f]+)\s*\*/")
 _HI = re.compile(r"^\s*/\*\s*(0x[0-9a-f]+)\s*\*/\s*$")
-_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)")
+# A branch: predicated by a guard (@P0 BRA) or, on sm_100, by a uniform predicate operand (BRA.U !UP1, 0x...).
+_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(!?U?P\d+,\s*)?(?:`\()?0x([0-9a-f]+)")
 _DEPBAR = re.compile(r"\bDEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)")
 # Latencies in cycles of the variable-latency units other than global memory (pessimistic round figures for
 # sm_90: MUFU ~ 20, shared-memory loads and shuffles ~ 30, special registers and conversions ~ 25).
@@ -75,11 +76,13 @@ class Instr:
 
     @property
     def predicated(self) -> bool:
-        return self.text.startswith("@")
+        """Conditional: a guard predicate, or a branch's predicate operand."""
+        m = _BRANCH.match(self.text)
+        return self.text.startswith("@") or bool(m and m.group(2))
 
     def branch_target(self) -> int | None:
         m = _BRANCH.match(self.text)
-        return int(m.group(2), 16) if m else None
+        return int(m.group(3), 16) if m else None
 
 
 def parse_sass(sass: str) -> list[Instr]:
@@ -177,8 +180,8 @@ def _skips_tiles(code: list[Instr], i: int, k: int, index: dict[int, int], tiles
     loop: then the branch leads to the live row (a compiler may lay the dead row's path first)."""
     for j in range(i + 1, k):
         t = code[j].branch_target()
-        if t is not None and not code[j].predicated and t > code[j].addr:
-            return any(k <= h < index[t] for h in tiles)
+        if t is not None and not code[j].predicated and any(k <= h < index[t] for h in tiles):
+            return True
     return False
 
 

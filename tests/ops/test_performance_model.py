@@ -109,6 +109,9 @@ def configs_for(site: str | None) -> tuple[list[dict], list[dict]]:
     return list(compiles.values()), rows
 
 
+COMPILED_KEYS = ("regs", "smem", "num_stages", "tail_slots", "spill_stores", "spill_loads", "triton", "cache")
+
+
 def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, **device) -> dict:
     """The model of one (device, kernel, dtype, V, grid) from its compile; `device`: row_model's clock and copy
     rate where they are not the Hopper ones."""
@@ -147,7 +150,7 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
     issue = busy * row_bytes * CLOCK / cycles_per_row * row["dram"]
     out = {
         **row,
-        **{k: compiled[k] for k in ("regs", "smem", "num_stages", "spill_stores", "spill_loads", "triton", "cache")},
+        **{k: compiled[k] for k in COMPILED_KEYS},
         "block_v": block_v,
         "warps": warps,
         "grid": grid,
@@ -336,18 +339,6 @@ def model(request) -> list[dict]:
     return out
 
 
-def test_every_kernel_clears_the_copy_rate_at_issue(model):
-    """Instruction issue is not the ceiling: every kernel's issue bound (at 100 % issue efficiency) is at least
-    ISSUE_MARGIN x the copy rate, at every vocabulary, dtype and device, in the plan the launcher picks."""
-    target = ISSUE_MARGIN * COPY_BANDWIDTH
-    low = [
-        (m["device"], m["label"], m["dtype"], m["vocab"], round(m["issue"] / 1e12, 2))
-        for m in model
-        if m["grid_mode"] == "default" and m["issue"] < target
-    ]
-    assert not low, f"issue bound below {ISSUE_MARGIN} x {COPY_BANDWIDTH / 1e12} TB/s: {low}"
-
-
 def test_tile_loops_do_one_exp2_per_logit(model):
     """The common path of each tile loop holds all of its work: one exp2 per logit of the thread (pass 1: one
     more, the lanes' rescale), so the instructions counted once per row cannot hide per-tile work."""
@@ -434,11 +425,13 @@ def test_fused_grid_trade(model):
 def test_cache_policy_in_the_ptx(model):
     """evict_last only where a row is read twice (the fused kernel's pass 1), evict_first on every gradient store,
     as the PTX of each Triton states it. Triton 3.9 puts the L2 policy on the pipelined copies; 3.6's cp.async
-    lowering drops it (the model counts on no hint either way)."""
+    lowering drops it, so on 3.6 a row without masked tail tiles carries no evict_last at all (the model counts on
+    no hint either way)."""
     for m in model:
         cache, version = m["cache"], tuple(int(v) for v in m["triton"].split(".")[:2])
         where = (m["triton"], m["label"], m["dtype"], m["vocab"], cache)
-        if m["kernel"] == FUSED:
+        if m["kernel"] == FUSED and (version >= (3, 9) or m["tail_slots"]):
+            # 3.6 makes the policy only for plain loads: the masked tail tiles', where a row has them
             assert "evict_last" in cache["policies"], where
         else:
             assert "evict_last" not in cache["policies"], where  # read once: never kept in L2 on purpose
