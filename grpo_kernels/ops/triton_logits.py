@@ -876,6 +876,7 @@ def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
 # The target adds 40 % for latency under load.
 REFERENCE_SMS = 132
 REFERENCE_L2_BYTES = 50 << 20  # also the fallback when the device does not report its L2 size
+REFERENCE_ARCH = 90  # the compute capability a launch plan is made for off CUDA (the AOT compiles set 100 too)
 IN_FLIGHT_PER_SM = 32 << 10  # bytes of loads in flight per SM, averaged over all SMs
 L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fill (the gradient streams beside them)
 # Tiles in flight per program, at least. The compiled loop issues a tile's copies after the barrier that frees its
@@ -1012,7 +1013,12 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     )
     if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads: no cp.async to pipeline, one program per SM
         return 1, _max_registers(num_warps, 1)
-    return stages, _max_registers(num_warps, per_sm)
+    maxnreg = _max_registers(num_warps, per_sm)
+    if _device_arch(x.device) >= 100 and maxnreg <= 64 and x.element_size() == 4:
+        # sm_100's ptxas spills at 64 registers with more than one fp32 tile in flight; one 32 KiB tile per program,
+        # two programs per SM, still keep 64 KiB in flight (tests/ops/test_performance_model.py, Blackwell).
+        stages = min(stages, 2)
+    return stages, maxnreg
 
 
 @functools.cache
@@ -1020,6 +1026,14 @@ def _device_caps(index: int) -> tuple[int, int]:
     """(SM count, L2 bytes) of a CUDA device; REFERENCE_L2_BYTES where torch does not report the L2 size."""
     props = torch.cuda.get_device_properties(index)
     return props.multi_processor_count, int(getattr(props, "L2_cache_size", 0) or REFERENCE_L2_BYTES)
+
+
+def _device_arch(device: torch.device) -> int:
+    """Compute capability as 10 x major + minor (90: sm_90); REFERENCE_ARCH off CUDA."""
+    if device.type != "cuda":
+        return REFERENCE_ARCH
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _device_caps_of(device: torch.device) -> tuple[int, int]:

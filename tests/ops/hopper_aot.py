@@ -246,8 +246,9 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     constexprs = dict(flags, BLOCK_V=block_v)
     options = {"num_warps": num_warps}
     # The device the launch plan is for (the heuristics see a CPU tensor, so they plan for the reference device's
-    # figures: set them to this config's), and the fused grid it forces, if any.
-    device = {"REFERENCE_L2_BYTES": cfg.get("l2_bytes"), "FUSED_GRID": cfg.get("grid")}
+    # figures: set them to this config's: L2 and compute capability), and the fused grid it forces, if any.
+    device = {"REFERENCE_L2_BYTES": cfg.get("l2_bytes"), "FUSED_GRID": cfg.get("grid"),
+              "REFERENCE_ARCH": cfg.get("arch")}  # fmt: skip
     saved = {name: getattr(module, name) for name in device if hasattr(module, name)}
     for name, value in saved.items():
         setattr(module, name, device[name] if device[name] is not None else value)
