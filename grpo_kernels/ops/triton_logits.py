@@ -1015,9 +1015,9 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
         return 1, _max_registers(num_warps, 1)
     maxnreg = _max_registers(num_warps, per_sm)
     if _device_arch(x.device) >= 100 and maxnreg <= 64 and x.element_size() == 4:
-        # sm_100's ptxas spills at 64 registers with more than one fp32 tile in flight; one 32 KiB tile per program,
-        # two programs per SM, still keep 64 KiB in flight (tests/ops/test_performance_model.py, Blackwell).
-        stages = min(stages, 2)
+        # sm_100's ptxas spills a pipelined fp32 row at 64 registers (two 16-warp programs per SM): one program
+        # per SM there, its tiles in flight (96 KiB) more than two programs' would be (test_performance_model.py).
+        maxnreg = _max_registers(num_warps, 1)
     return stages, maxnreg
 
 

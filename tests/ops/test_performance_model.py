@@ -663,15 +663,16 @@ def test_tiles_in_flight_switch(monkeypatch):
             triton_logits.tiles_in_flight()
 
 
-def test_blackwell_plan_keeps_fp32_single_pass_to_one_tile(monkeypatch):
-    """On sm_100 the single-pass fp32 plan at 64 registers (16 warps, two programs per SM) keeps one tile in flight:
-    sm_100's ptxas spills there with more (test_blackwell_compile); sm_90 keeps DEFAULT_TILES_IN_FLIGHT."""
+def test_blackwell_plan_gives_fp32_single_pass_one_program_per_sm(monkeypatch):
+    """On sm_100 the single-pass fp32 plan at 16 warps runs one program per SM (128 registers): sm_100's ptxas spills
+    a pipelined fp32 row at the 64 registers of two (test_blackwell_compile); sm_90 keeps two."""
     import torch
 
     args = {"x_ptr": torch.empty(0, dtype=torch.float32), "BLOCK_V": 8192, "V": 128256, "num_warps": 16,
             "ALIGNED": True}  # fmt: skip
-    assert triton_logits._launch_plan(args, two_pass=False) == (1 + triton_logits.DEFAULT_TILES_IN_FLIGHT, 64)
+    stages = 1 + triton_logits.DEFAULT_TILES_IN_FLIGHT
+    assert triton_logits._launch_plan(args, two_pass=False) == (stages, 64)
     monkeypatch.setattr(triton_logits, "REFERENCE_ARCH", 100)
-    assert triton_logits._launch_plan(args, two_pass=False) == (2, 64)
+    assert triton_logits._launch_plan(args, two_pass=False) == (stages, 128)
     bf16 = {**args, "x_ptr": torch.empty(0, dtype=torch.bfloat16)}
-    assert triton_logits._launch_plan(bf16, two_pass=False)[0] == 1 + triton_logits.DEFAULT_TILES_IN_FLIGHT
+    assert triton_logits._launch_plan(bf16, two_pass=False) == (stages, 64)
