@@ -187,33 +187,16 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[i
     (issue 4/clk/SM, MUFU 16 lanes/clk/SM, ALU 64 lanes/clk/SM), and the latency bound: the time one CTA takes per
     row on the timeline of sass_model.simulate, overlapped across the resident CTAs. Pass 2's loads take the L2
     latency for the share of the row still in L2, DRAM latency for the rest, and its misses cost DRAM traffic."""
-    code = sass_model.expand(compiled["sass_code"])
-    st = sass_model.structure(code)
     two_pass = row["kernel"] == FUSED
     rows_per_program = -(-TOKENS // grid)
-    simulated = min(rows_per_program, 3)
-    seq, starts, off = sass_model.walk_rows(code, trips, simulated)
     row_bytes = row["vocab"] * hopper_aot.ELEMENT_BYTES[row["dtype"]]
-    l2_set = resident * row_bytes
-    miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * row["l2"] / l2_set) if two_pass else 0.0
-    dram_cycles, l2_cycles = DRAM_LATENCY * clock, L2_LATENCY * clock
-    # after pass 1's last tile loop: the row re-read
-    pass2_from = st.tile_loops[len(st.tile_loops) // 2 - 1][1] if two_pass else len(code)
-
-    def latency(i: int) -> float:
-        return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
-
+    miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * row["l2"] / (resident * row_bytes)) if two_pass else 0.0
+    key = (tuple(trips), rows_per_program, miss, clock)
+    timelines = compiled.setdefault("timelines", {})  # the same compile at the same trips: walked once
+    if key not in timelines:
+        timelines[key] = _timeline(compiled, trips, rows_per_program, miss, clock, two_pass)
+    row_cycles, per_row, loop_instr, leads = timelines[key]
     warps = compiled["num_warps"]
-    times = sass_model.simulate(code, seq, max(1, warps // 4), latency, off)
-    ends = [*starts[1:], len(seq)]
-    setup_t, first_t = times[starts[0]], times[ends[0]] - times[starts[0]]
-    steady_t = (times[ends[-1]] - times[ends[0]]) / (simulated - 1) if simulated > 1 else first_t
-    row_cycles = (setup_t + first_t + (rows_per_program - 1) * steady_t) / rows_per_program
-    counts = sass_model.pipe_counts(code, seq[starts[-1] : ends[-1]])
-    setup = sass_model.pipe_counts(code, seq[: starts[0]])
-    per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
-    in_loops = [i for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops)]
-    loop_instr = len(in_loops)
     busy = min(resident, sms)
     floor = row_bytes * row["dram"]
 
@@ -223,7 +206,7 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[i
     out = {
         "per_row": per_row,
         "outside_loops": per_row["issue"] - loop_instr,
-        "leads": [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops],
+        "leads": leads,
         "row_cycles": row_cycles,
         "full_issue": rate(per_row["issue"], sass_model.ISSUE_PER_CLK),
         "full_mufu": rate(per_row["mufu"], mufu_per_clk),
@@ -235,6 +218,31 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[i
     out["full_min"] = min(out[k] for k in ("full_issue", "full_mufu", "full_alu", "full_latency", "full_dram"))
     out["binding"] = min(("issue", "mufu", "alu", "latency", "dram"), key=lambda k: out[f"full_{k}"])
     return out
+
+
+def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: float, clock: float, two_pass: bool):
+    """(cycles per row, warp instructions per row by pipe, those in the tile loops, each tile loop's lead)."""
+    code = sass_model.expand(compiled["sass_code"])
+    st = sass_model.structure(code)
+    simulated = min(rows_per_program, 3)
+    seq, starts, off = sass_model.walk_rows(code, trips, simulated)
+    dram_cycles, l2_cycles = DRAM_LATENCY * clock, L2_LATENCY * clock
+    # after pass 1's last tile loop: the row re-read
+    pass2_from = st.tile_loops[len(st.tile_loops) // 2 - 1][1] if two_pass else len(code)
+
+    def latency(i: int) -> float:
+        return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
+
+    times = sass_model.simulate(code, seq, max(1, compiled["num_warps"] // 4), latency, off)
+    ends = [*starts[1:], len(seq)]
+    setup_t, first_t = times[starts[0]], times[ends[0]] - times[starts[0]]
+    steady_t = (times[ends[-1]] - times[ends[0]]) / (simulated - 1) if simulated > 1 else first_t
+    row_cycles = (setup_t + first_t + (rows_per_program - 1) * steady_t) / rows_per_program
+    counts = sass_model.pipe_counts(code, seq[starts[-1] : ends[-1]])
+    setup = sass_model.pipe_counts(code, seq[: starts[0]])
+    per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
+    loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops))
+    return row_cycles, per_row, loop_instr, [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
 
 
 def print_full_model(
