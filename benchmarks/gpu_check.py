@@ -80,6 +80,10 @@ LOSS_HEADLINE, DRY_LOSS_HEADLINE = ("bf16", 151936, 16384), ("fp32", 64, 16)
 WARM_TOKENS = 2048
 L2_SHAPES = [("bf16", 151936, 16384), ("fp32", 151936, 16384), ("bf16", 262144, 16384)]
 DRY_L2_SHAPES = [("fp32", 64, 8)]
+# The L2 phase's last part: the row kernels at the headline shape under each pipeline schedule the launcher can be
+# switched to (triton_logits.TILES_IN_FLIGHT: 1, the previous one, then the default), after the shapes above.
+SCHEDULE_SHAPE, DRY_SCHEDULE_SHAPE = ("bf16", 151936, 16384), ("fp32", 64, 8)
+SCHEDULES = (1, 3)
 SUPERVISOR_MARGIN_S = 15  # the loss table's own budget stops it this long before its phase is killed
 # A loss contender still running after this long (a hang) costs its own row, not the ones after it; a cold inductor
 # compile of the headline's graph takes 20-60 s.
@@ -206,6 +210,68 @@ def measure_l2(results: Path, dry: bool) -> None:
         harness.write_json(stem.with_suffix(".json"), payload)
         harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload))
         print(report.traffic_markdown(payload), flush=True)
+    payload["schedules"] = measure_schedules(*(DRY_SCHEDULE_SHAPE if dry else SCHEDULE_SHAPE), device, dry)
+    harness.write_json(stem.with_suffix(".json"), payload)
+    text = report.traffic_markdown(payload) + "\n" + schedules_markdown(payload["schedules"])
+    harness.write_text(stem.with_suffix(".md"), text)
+    print(schedules_markdown(payload["schedules"]), flush=True)
+
+
+def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
+    """Median time and floor-traffic rate of row_stats, row_grad and fused_token_grad under each SCHEDULES entry
+    (triton_logits.TILES_IN_FLIGHT, the least tiles in flight per program); a row that fails says why."""
+    import torch
+
+    from benchmarks.lib.traffic import _timed
+    from benchmarks.lib.workload import DTYPES, LOGIT_STD, Workload, split_tokens
+    from grpo_kernels.ops import triton_logits as tk
+
+    batch, length = split_tokens(tokens)
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.empty(batch, length, vocab, dtype=DTYPES[dtype_name], device=device)
+    x.normal_(0.0, LOGIT_STD, generator=gen)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen, device=device)
+    g = torch.randn(batch, length, generator=gen, device=device)
+    out = torch.empty_like(x)
+    size = x.numel() * x.element_size()
+    logp, _, state = tk.row_stats(x, ids, 1.0)
+    fused = {"advantages": torch.randn(batch, 1, generator=gen, device=device).expand(batch, length),
+             "old_logp": logp.float(), "ref_logp": logp.float() - 0.1, "rho": None,
+             "weight": torch.full((batch, length), 1.0 / tokens, device=device), "entropy_weight": None,
+             "cfg": Workload().config()}  # fmt: skip
+    kernels = {
+        "row_stats": (size, lambda: tk.row_stats(x, ids, 1.0)),
+        "row_grad": (2 * size, lambda: tk.row_grad(x, ids, state, g, None, 1.0, out)),
+        "fused_token_grad": (2 * size, lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused)),
+    }
+    rows = []
+    saved = tk.TILES_IN_FLIGHT
+    try:
+        for count in SCHEDULES:
+            tk.TILES_IN_FLIGHT = count
+            for name, (nbytes, fn) in kernels.items():
+                row: dict[str, Any] = {"kernel": name, "tiles_in_flight": count, "bytes": nbytes}
+                try:
+                    t = _timed(fn, device, *((1, 0) if dry else (5, 2)))
+                    row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
+                except Exception as e:  # noqa: BLE001 - a row that fails says why, the others still run
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+    finally:
+        tk.TILES_IN_FLIGHT = saved
+    return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
+
+
+def schedules_markdown(sched: dict[str, Any]) -> str:
+    lines = [f"## Pipeline schedules ({sched['dtype']}, V = {sched['V']}, B·T = {sched['BT']})", "",
+             "| kernel | tiles in flight | median ms | GB/s of floor traffic |",
+             "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    for r in sched["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['tiles_in_flight']} | error: {r['error']} | |")
+        else:
+            lines.append(f"| {r['kernel']} | {r['tiles_in_flight']} | {r['time_ms']['median']:.3f} | {r['GBps']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -50,8 +50,16 @@ def _tile_shape(block_v: int, elem_bytes: int) -> tuple[int, int]:
 _TILE_HEURISTICS = {
     "SLOTS": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[0],
     "VEC": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[1],
-    "TAIL_SLOTS": lambda a: _tail_slots(a["SLOTS"], a.get("num_warps", 4)),
+    "TAIL_SLOTS": lambda a: 0 if _tail_tile(a) else _tail_slots(a["SLOTS"], a.get("num_warps", 4)),
 }
+
+
+def _tail_tile(args: dict) -> bool:
+    """Rows that end in a full tile overlapping the one before (TAIL_SLOTS = 0): ALIGNED rows of V >= BLOCK_V,
+    V a multiple of 16, so that the last tile [V − BLOCK_V, V) is made of 16-byte vectors too. Their every tile,
+    the last one included, goes through the pipelined loop; the other rows scan their ragged tail in smaller masked
+    tiles (`_tail_slots`)."""
+    return bool(args["ALIGNED"]) and args["V"] % 16 == 0 and args["V"] >= args["BLOCK_V"]
 
 
 def _tail_slots(slots: int, num_warps: int) -> int:
@@ -170,42 +178,58 @@ def _row_scan(
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
     e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`).
     The row is [shift, n) from the aligned base `p_a` (see `_row_index`), its target at y_a. Full tiles load
-    unmasked; the ragged tail goes in smaller masked tiles after the loop (`_tail_slots`). `EVICT`: the L2 policy
+    unmasked; the ragged tail is the last full tile, overlapping (`_tail_tile`), or goes in smaller masked tiles
+    after the loop (`_tail_slots`). `EVICT`: the L2 policy
     ("evict_last" when pass 2 re-reads the row right away)."""
-    x_y = tl.load(p_a + y_a).to(tl.float32)
     o_b = _tile_offsets(SLOTS, VEC)
     b_m = tl.full([SLOTS], float("-inf"), tl.float32)
     b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its max
     b_t = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e·z2 of the slot
-    v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
-    # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline. A HEAD row's
-    # first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >= its start) and
-    # drops them in `_scan_tile`.
-    for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
-        b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
-        b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
-    # The ragged tail in smaller masked tiles, into accumulators of their own shape (at most a tail tile of
-    # work is spent on padding).
-    CHUNK: tl.constexpr = TAIL_SLOTS * VEC
-    o_c = _tile_offsets(TAIL_SLOTS, VEC)
-    b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
-    b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
-    b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
-    for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-        m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
-        b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy=EVICT)
-        b_mc, b_sc, b_tc = _scan_tile(
-            b_xc.to(tl.float32), c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD
-        )
+    # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline.
+    if TAIL_SLOTS == 0:
+        # Every tile in the pipelined loop: the last one is [n − BLOCK_V, n), and drops the logits the tile before
+        # it has seen (the `_scan_tile` head mask, from the tile's nominal start i·BLOCK_V).
+        for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
+            v0 = tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+            b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
+            b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, i * BLOCK_V, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True)
+    else:
+        # A HEAD row's first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >=
+        # its start) and drops them in `_scan_tile`.
+        v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
+        for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
+            b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
+            b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
+        # The ragged tail in smaller masked tiles, into accumulators of their own shape (at most a tail tile of
+        # work is spent on padding).
+        CHUNK: tl.constexpr = TAIL_SLOTS * VEC
+        o_c = _tile_offsets(TAIL_SLOTS, VEC)
+        b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
+        b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
+        b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
+        for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+            m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
+            b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy=EVICT)
+            b_mc, b_sc, b_tc = _scan_tile(
+                b_xc.to(tl.float32), c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD
+            )
+    # The target's logit, read after the scan (the row is in cache): issued before the tile loop, its address
+    # waits on the id's load, and in-order issue holds the first tile's copies behind it.
+    x_y = tl.load(p_a + y_a).to(tl.float32)
     # The slots combined, once per row; the target joins the max here (its e is added back below).
-    b_mr = tl.maximum(tl.maximum(tl.max(b_m, 0), tl.max(b_mc, 0)), x_y)
+    b_mr = tl.maximum(tl.max(b_m, 0), x_y)
+    if TAIL_SLOTS > 0:
+        b_mr = tl.maximum(b_mr, tl.max(b_mc, 0))
     b_mx = tl.where(b_mr == float("-inf"), 0.0, b_mr)
     b_d = tl.maximum((b_m - b_mx) * k2, -256.0)
     b_w = tl.exp2(b_d)
-    b_dc = tl.maximum((b_mc - b_mx) * k2, -256.0)
-    b_wc = tl.exp2(b_dc)
-    b_so = tl.sum(b_w * b_s, 0) + tl.sum(b_wc * b_sc, 0)  # Σ_{v≠y} e, relative to the row max
-    b_to = tl.sum(b_w * (b_t + b_d * b_s), 0) + tl.sum(b_wc * (b_tc + b_dc * b_sc), 0)  # Σ_{v≠y} e·z2
+    b_so = tl.sum(b_w * b_s, 0)  # Σ_{v≠y} e, relative to the row max
+    b_to = tl.sum(b_w * (b_t + b_d * b_s), 0)  # Σ_{v≠y} e·z2
+    if TAIL_SLOTS > 0:
+        b_dc = tl.maximum((b_mc - b_mx) * k2, -256.0)
+        b_wc = tl.exp2(b_dc)
+        b_so += tl.sum(b_wc * b_sc, 0)
+        b_to += tl.sum(b_wc * (b_tc + b_dc * b_sc), 0)
     b_zy = (x_y - b_mx) * k2
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
@@ -264,9 +288,6 @@ def _row_grad_store(
     b_live = b_g != 0.0
     if HAS_ENT:
         b_live = b_live | (b_h != 0.0)
-    v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
-    CHUNK: tl.constexpr = TAIL_SLOTS * VEC  # the ragged tail in smaller tiles, as in `_row_scan`
-    o_c = _tile_offsets(TAIL_SLOTS, VEC)
     if b_live:
         b_hs = b_h * LN2 * inv_tau
         b_gn = b_hs * b_c2 - b_g * inv_tau
@@ -276,26 +297,45 @@ def _row_grad_store(
         if HAS_ENT:
             b_zyc = tl.maximum(b_zy, -256.0, propagate_nan=tl.PropagateNan.ALL)
             b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
-        for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
-            b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-            b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
-            _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
-        for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-            m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
-            b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy="evict_first")
-            b_d = _grad_tile(
-                b_xc.to(tl.float32), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, CHUNK, TAIL_SLOTS, VEC
-            )
-            m_s = m_c & ~_is_before(shift - c0, TAIL_SLOTS, VEC)  # a HEAD row's head stays alone here too
-            tl.store(p_oa + c0 + o_c, b_d.to(p_oa.dtype.element_ty), mask=m_s, eviction_policy="evict_first")
+        if TAIL_SLOTS == 0:  # every tile pipelined, the last one overlapping: its head is not stored again
+            for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
+                v0 = tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+                b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
+                b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
+                _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, i * BLOCK_V, SLOTS, VEC, True)
+        else:
+            v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, else scalar tails
+            CHUNK: tl.constexpr = TAIL_SLOTS * VEC  # the ragged tail in smaller tiles, as in `_row_scan`
+            o_c = _tile_offsets(TAIL_SLOTS, VEC)
+            for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
+                b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
+                b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
+                _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
+            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+                m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
+                b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy="evict_first")
+                b_d = _grad_tile(
+                    b_xc.to(tl.float32), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, CHUNK, TAIL_SLOTS,
+                    VEC,
+                )  # fmt: skip
+                m_s = m_c & ~_is_before(shift - c0, TAIL_SLOTS, VEC)  # a HEAD row's head stays alone here too
+                tl.store(p_oa + c0 + o_c, b_d.to(p_oa.dtype.element_ty), mask=m_s, eviction_policy="evict_first")
     else:
         b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
-        for v0 in tl.range(0, v_full, BLOCK_V, num_stages=1):
-            _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
-        b_zc = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
-        for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-            m_s = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
-            tl.store(p_oa + c0 + o_c, b_zc, mask=m_s, eviction_policy="evict_first")
+        if TAIL_SLOTS == 0:  # zeros over the overlap again: nothing else is written there
+            for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=1):
+                v0 = tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+                tl.store(p_oa + v0 + o_b, b_zero, eviction_policy="evict_first")
+        else:
+            v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)
+            CHUNK2: tl.constexpr = TAIL_SLOTS * VEC
+            o_c = _tile_offsets(TAIL_SLOTS, VEC)
+            for v0 in tl.range(0, v_full, BLOCK_V, num_stages=1):
+                _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
+            b_zc = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
+            for c0 in tl.range(v_full, n, CHUNK2, num_stages=1):
+                m_s = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+                tl.store(p_oa + c0 + o_c, b_zc, mask=m_s, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -836,8 +876,15 @@ def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
 # The target adds 40 % for latency under load.
 REFERENCE_SMS = 132
 REFERENCE_L2_BYTES = 50 << 20  # also the fallback when the device does not report its L2 size
+REFERENCE_ARCH = 90  # the compute capability a launch plan is made for off CUDA (the AOT compiles set 100 too)
 IN_FLIGHT_PER_SM = 32 << 10  # bytes of loads in flight per SM, averaged over all SMs
 L2_FRACTION = 0.5  # share of L2 the rows in flight of a two-pass kernel may fill (the gradient streams beside them)
+# Tiles in flight per program, at least. The compiled loop issues a tile's copies after the barrier that frees its
+# buffer, late in the body, so k tiles in flight lead the wait for them by k + 1 − (that fraction) tiles: 3 keep
+# every copy at least 2 tiles ahead of its use (tests/ops/test_performance_model.py reads the lead off the SASS).
+TILES_IN_FLIGHT: int | None = None  # None: the variable GRPO_KERNELS_TILES_IN_FLIGHT, else DEFAULT_TILES_IN_FLIGHT
+DEFAULT_TILES_IN_FLIGHT = 3
+TILES_IN_FLIGHT_VARIABLE = "GRPO_KERNELS_TILES_IN_FLIGHT"
 MAX_PIPELINE_BYTES = 192 << 10  # shared memory for the tiles in flight of one program (227 KiB per block on sm_90)
 # The fused kernel's two grids (`_fused_grid`). "sms": every SM busy (its resident programs), whatever the rows in
 # flight; "l2": no more programs than rows that fit L2_FRACTION of L2, so pass 2 re-reads from L2. By default the
@@ -861,6 +908,21 @@ def fused_grid_mode() -> str | None:
     if mode not in (None, "sms", "l2"):
         raise ValueError(f"{FUSED_GRID_VARIABLE} (or triton_logits.FUSED_GRID) must be 'sms' or 'l2', got {mode!r}")
     return mode
+
+
+def tiles_in_flight() -> int:
+    """The least tiles in flight per program: `TILES_IN_FLIGHT`, else the GRPO_KERNELS_TILES_IN_FLIGHT variable (so
+    that a GPU can time the schedules), else DEFAULT_TILES_IN_FLIGHT."""
+    value = TILES_IN_FLIGHT if TILES_IN_FLIGHT is not None else os.environ.get(TILES_IN_FLIGHT_VARIABLE)
+    if value is None or value == "":
+        return DEFAULT_TILES_IN_FLIGHT
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if not 1 <= count <= 8:
+        raise ValueError(f"{TILES_IN_FLIGHT_VARIABLE} (or triton_logits.TILES_IN_FLIGHT) must be 1 to 8, got {value!r}")
+    return count
 
 
 def _programs_per_sm(num_warps: int, two_pass: bool) -> int:
@@ -930,6 +992,7 @@ def _pipeline(
     if tiles <= 1:  # the whole row is one tile: only more programs put more loads in flight
         return 1, min(per_sm, -(-IN_FLIGHT_PER_SM // tile_bytes))
     want = -(-IN_FLIGHT_PER_SM * sms // (resident * tile_bytes))  # tiles in flight per program
+    want = max(want, tiles_in_flight())
     return 1 + max(1, min(want, tiles, MAX_PIPELINE_BYTES // tile_bytes)), per_sm
 
 
@@ -950,7 +1013,12 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     )
     if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads: no cp.async to pipeline, one program per SM
         return 1, _max_registers(num_warps, 1)
-    return stages, _max_registers(num_warps, per_sm)
+    maxnreg = _max_registers(num_warps, per_sm)
+    if _device_arch(x.device) >= 100 and maxnreg <= 64 and x.element_size() == 4:
+        # sm_100's ptxas spills a pipelined fp32 row at 64 registers (two 16-warp programs per SM): one program
+        # per SM there, its tiles in flight (96 KiB) more than two programs' would be (test_performance_model.py).
+        maxnreg = _max_registers(num_warps, 1)
+    return stages, maxnreg
 
 
 @functools.cache
@@ -958,6 +1026,14 @@ def _device_caps(index: int) -> tuple[int, int]:
     """(SM count, L2 bytes) of a CUDA device; REFERENCE_L2_BYTES where torch does not report the L2 size."""
     props = torch.cuda.get_device_properties(index)
     return props.multi_processor_count, int(getattr(props, "L2_cache_size", 0) or REFERENCE_L2_BYTES)
+
+
+def _device_arch(device: torch.device) -> int:
+    """Compute capability as 10 x major + minor (90: sm_90); REFERENCE_ARCH off CUDA."""
+    if device.type != "cuda":
+        return REFERENCE_ARCH
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _device_caps_of(device: torch.device) -> tuple[int, int]:

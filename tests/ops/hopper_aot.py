@@ -28,6 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+try:
+    from . import sass_model
+except ImportError:  # run as a script (the compile subprocess)
+    import sass_model  # type: ignore[no-redef]
+
 REPO = Path(__file__).resolve().parents[2]
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch attribute names
@@ -49,7 +54,8 @@ FUSED_FLAGS = ("HAS_OLD", "HAS_REF", "HAS_RATIO", "HAS_ENT", "HAS_DELTA", "BIAS_
 def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict, module: str = "triton_logits", **plan) -> dict:
     """One compile: `kernel` of grpo_kernels.ops.`module` for logits of `dtype` and vocabulary (or tile) width
     `vocab`, with the constexpr `flags`. `plan`: `l2_bytes` (the device the launch plan is for; the reference
-    H100's 50 MiB by default) and `grid` ("sms" or "l2": a forced fused grid)."""
+    H100's 50 MiB by default), `grid` ("sms" or "l2": a forced fused grid) and `arch` (the compute capability
+    compiled for: 90, sm_90a, by default; 100 for sm_100a)."""
     return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags, "module": module, **plan}
 
 
@@ -201,12 +207,12 @@ def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
 # The subprocess
 
 
-def _ptxas_name() -> str:
-    """The assembler this Triton's NVIDIA backend runs for sm_90."""
+def _ptxas_name(arch: int = 90) -> str:
+    """The assembler this Triton's NVIDIA backend runs for sm_`arch`."""
     from triton.backends.nvidia import compiler as nv
 
     try:
-        tool = nv.get_ptxas(90)
+        tool = nv.get_ptxas(arch)
     except TypeError:  # Triton <= 3.5: one ptxas for every architecture
         tool = nv.get_ptxas()
     return Path(tool.path).name
@@ -240,8 +246,9 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     constexprs = dict(flags, BLOCK_V=block_v)
     options = {"num_warps": num_warps}
     # The device the launch plan is for (the heuristics see a CPU tensor, so they plan for the reference device's
-    # figures: set them to this config's), and the fused grid it forces, if any.
-    device = {"REFERENCE_L2_BYTES": cfg.get("l2_bytes"), "FUSED_GRID": cfg.get("grid")}
+    # figures: set them to this config's: L2 and compute capability), and the fused grid it forces, if any.
+    device = {"REFERENCE_L2_BYTES": cfg.get("l2_bytes"), "FUSED_GRID": cfg.get("grid"),
+              "REFERENCE_ARCH": cfg.get("arch")}  # fmt: skip
     saved = {name: getattr(module, name) for name in device if hasattr(module, name)}
     for name, value in saved.items():
         setattr(module, name, device[name] if device[name] is not None else value)
@@ -284,7 +291,7 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG: make_cubin prints ptxas' -v log
         compiled = triton.compile(
             ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
+            target=GPUTarget("cuda", cfg.get("arch", 90), 32),
             options=options,
         )
     key = compiled.hash
@@ -293,7 +300,7 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     regs, spill_st, spill_ld = seen[key]
     ptx = compiled.asm["ptx"]
     loops = [loop_loads_in_flight(body) for body in innermost_loops(ptx)]
-    sass_loops = None
+    sass_loops = sass_code = None
     if sass:
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / "k.cubin"
@@ -301,14 +308,16 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
             cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
             dump = subprocess.run([str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True, text=True)
             sass_loops = sass_tile_loops(dump.stdout)
+            sass_code = sass_model.compact(sass_model.parse_sass(dump.stdout))
     threads = 32 * num_warps
     return {
         **cfg,
         "triton": triton.__version__,
-        "ptxas": _ptxas_name(),
+        "ptxas": _ptxas_name(cfg.get("arch", 90)),
         "block_v": block_v,
         "num_warps": num_warps,
         "num_stages": constexprs.get("NUM_STAGES", 1),
+        "tail_slots": constexprs.get("TAIL_SLOTS"),
         "maxnreg": options.get("maxnreg"),
         "regs": regs,
         "spill_stores": spill_st,
@@ -318,6 +327,7 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
         "cache": cache_hints(ptx),
         "loops": [{**lp, "bytes_per_program": lp["bytes"] * threads} for lp in loops],
         "sass_loops": sass_loops,
+        "sass_code": sass_code,
     }
 
 

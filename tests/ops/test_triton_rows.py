@@ -237,6 +237,29 @@ def test_many_tiles_rising_max_and_persistent_loop(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_overlapping_last_tile(dtype, monkeypatch):
+    """An aligned row of V = 304, a multiple of 16, in tiles of 32: its last tile is [272, 304), overlapping the
+    one before by 16 logits, which it must neither count again (rows sorted ascending: the overlap holds the
+    largest logits seen so far) nor store again (the in-place gradient has overwritten them). Targets in the
+    overlap, after it and in the first tile; a masked token's row (g = h = 0) is zeroed over the overlap too."""
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
+    assert triton_logits._tail_tile({"ALIGNED": True, "V": 304, "BLOCK_V": 32})
+    assert not triton_logits._tail_tile({"ALIGNED": True, "V": 300, "BLOCK_V": 32})  # the masked tail tiles
+    gen = torch.Generator().manual_seed(12)
+    values = (3 * torch.randn(2, 3, 304, generator=gen, dtype=torch.float64)).sort(-1).values
+    x = make_logits(values, dtype, "time_slice")
+    ids = torch.tensor([[280, 287, 300], [3, 272, 303]], dtype=torch.int32, device=DEVICE)
+    g, h = randn(gen, 2, 3), randn(gen, 2, 3)
+    g[1, 1], h[1, 1] = 0.0, 0.0
+    out = run_rows(x, ids, 0.8, g, h)
+    assert (out[1, 1] == 0).all()
+    inputs = token_inputs(2, 3, gen)
+    cfg = LossConfig(loss_type="bnpo", beta=0.1, temperature=0.7, entropy_coef=0.01)
+    run_fused(x.clone(), ids, cfg, inputs)
+    run_fused(x, ids, cfg, inputs, out=x)  # in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_padded_vocabulary(dtype):
     """−inf logits (padded vocabulary) give finite ℓ, H and a zero gradient there, also with the entropy term."""
     gen = torch.Generator().manual_seed(4)
@@ -405,7 +428,7 @@ def test_fused_nan_propagates_and_masked_tokens_are_zero():
 def problems(draw):
     dtype = draw(st.sampled_from(DTYPES))
     batch, length = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    vocab = draw(st.sampled_from([1, 2, 3, 17, 64, 255, 1000, 4097]))
+    vocab = draw(st.sampled_from([1, 2, 3, 17, 64, 255, 1000, 4097, 4112]))
     scale = draw(st.sampled_from([0.1, 3.0, 30.0, 300.0]))
     layout = draw(st.sampled_from(["contiguous", "time_slice", "batch_pad", "row_pad", "transposed"]))
     tau = draw(st.sampled_from([0.3, 0.7, 1.0, 1.6]))
