@@ -307,7 +307,7 @@ def test_every_trainer_command_parses_and_says_what_it_needs():
 
 
 # Pages whose inline commands do not follow the rules yet, and why (the page's owner fixes them)
-INLINE_EXCEPTIONS = {"docs/performance.md": "`pip install --target DIR triton==X` and a bare `pytest` command"}
+INLINE_EXCEPTIONS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("page", sorted(set(PAGES) - set(INLINE_EXCEPTIONS)))
