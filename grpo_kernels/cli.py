@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":  # `python -m grpo_kernels.cli`: the console command, whose first check is the extra
-    from grpo_kernels.command import main as command_main
+if __name__ == "__main__":  # `python -m grpo_kernels.cli`: the console command's first check, before the imports
+    from grpo_kernels.extras import train_extra_missing
 
-    sys.exit(command_main())
+    if train_extra_missing():
+        sys.exit(2)
 
-# (the imports below come after the entry point above: the trainer's need the [train] extra)
+# (the imports below come after that check: the trainer's need the [train] extra)
 import argparse
 import os
 import re
@@ -248,3 +249,6 @@ def _demo(args: argparse.Namespace) -> int:
     run_demo(cfg, progress=args.progress)
     return 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())

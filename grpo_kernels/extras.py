@@ -8,6 +8,7 @@ without its extra fails at once with one line that names it.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 TRAIN_MODULES = ("transformers", "peft", "datasets", "math_verify", "rich", "matplotlib", "safetensors")
 
@@ -21,3 +22,14 @@ def require(extra: str, modules: tuple[str, ...], what: str) -> None:
             f"pip install 'grpo-kernels[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
         )
 
+
+
+def train_extra_missing() -> bool:
+    """The console command's first check: True, after one line on stderr naming the [train] extra, when it is not
+    installed (`grpo-kernels` and `python -m grpo_kernels.cli` then exit with code 2)."""
+    try:
+        require("train", TRAIN_MODULES, "the grpo-kernels command")
+    except ImportError as err:
+        print(f"grpo-kernels: {err}", file=sys.stderr)
+        return True
+    return False
