@@ -851,10 +851,15 @@ def _scalar_rows(*tensors: torch.Tensor) -> bool:
                                                  *(f"t{i}" for i in range(len(tensors))))  # fmt: skip
 
 
-def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
+def _block_config(vocab: int, scalar_rows: bool = False, scan_16bit: bool = False) -> tuple[int, int]:
     """(BLOCK_V, num_warps) keyed on V: 8-16 elements per thread, one or two 16-byte vectors of bf16. The loads in
     flight come from pipelining the tile loop (`_pipeline`), not from wider tiles, so registers stay low: 0 spills
-    on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9)."""
+    on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9).
+
+    `scan_16bit`: a read-only scan (the statistics and shard-partials kernels) of 2-byte logits. Its rate is bound
+    by instruction issue above 65536 logits, so it keeps 8 warps (32 logits per thread) there too: each tile's
+    fixed work (its max, rescale and loop control) is shared by twice the logits, 17 % fewer instructions per row
+    than 16 warps (docs/performance.md)."""
     if vocab <= 256:  # toy vocabularies: one warp is plenty
         return max(16, triton.next_power_of_2(vocab)), 1
     if vocab <= 1024:
@@ -865,7 +870,7 @@ def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
         return 4096, 8
     if vocab <= 65536:  # Llama-2 (32000), Mistral (32768): 4 tiles of 8192, 32 logits per thread; GPT-2 (50257): 7
         return 8192, 8
-    if scalar_rows:  # the plain path's scalar loads need more registers than 16 warps leave (Triton 3.5 spills)
+    if scalar_rows or scan_16bit:  # the plain path's scalar loads need more registers than 16 warps leave
         return 8192, 8
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
 
@@ -1100,7 +1105,7 @@ def row_stats(
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     state = empty_row_state(batch, length, logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab, _scalar_rows(logits))
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits), logits.element_size() == 2)
     grid = (_num_programs(rows, logits, False),)
     inv_tau = float(np.float32(1.0 / temperature))
     row_stats_fwd_kernel[grid](
@@ -1120,7 +1125,7 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
     batch, length, vocab = _assert_rows(logits, ids)
     parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab, _scalar_rows(logits))
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits), logits.element_size() == 2)
     grid = (_num_programs(rows, logits, False),)
     shard_partials_fwd_kernel[grid](
         logits, ids, parts, rows, length, vocab, offset,

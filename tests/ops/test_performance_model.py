@@ -71,7 +71,7 @@ def _plan(kernel: str, dtype: str, vocab: int, l2: int, grid: str | None, flags:
     cap on this device (as the kernels' own heuristics compute them), the flags, and V's alignment."""
     import torch
 
-    block_v, warps = triton_logits._block_config(vocab)
+    block_v, warps = triton_logits._block_config(vocab, False, hopper_aot.scan_16bit(kernel, dtype))
     x = torch.empty(0, dtype=getattr(torch, hopper_aot.TORCH_DTYPES[dtype]))
     args = {"x_ptr": x, "BLOCK_V": block_v, "V": vocab,
             "num_warps": warps, "ALIGNED": flags.get("ALIGNED", True), "HEAD": flags.get("HEAD", False)}  # fmt: skip
