@@ -868,6 +868,8 @@ def _block_config(vocab: int, scalar_rows: bool = False, scan_16bit: bool = Fals
         return triton.next_power_of_2(vocab), 8
     if vocab <= 16384:  # 2-4 tiles of 4096
         return 4096, 8
+    if vocab <= 65536 and scan_16bit and not scalar_rows:  # 5-16 tiles of 4096, 32 logits per thread, 4 warps
+        return 4096, 4
     if vocab <= 65536:  # Llama-2 (32000), Mistral (32768): 4 tiles of 8192, 32 logits per thread; GPT-2 (50257): 7
         return 8192, 8
     if scalar_rows or scan_16bit:  # the plain path's scalar loads need more registers than 16 warps leave
@@ -931,11 +933,13 @@ def tiles_in_flight() -> int:
 
 
 def _programs_per_sm(num_warps: int, two_pass: bool) -> int:
-    """Resident programs per SM the plan counts on: two for the single-pass kernels (a third would cap registers
-    below what a 16-warp pipelined tile needs without spilling); one for the fused kernel (its two tile loops and
+    """Resident programs per SM the plan counts on: for the single-pass kernels 16 warps' worth, at least two (two
+    of 8 or 16 warps: a third would cap registers below what a pipelined tile of 16 or 32 logits per thread needs
+    without spilling; four of 4 warps, the 16-bit scans' plan, whose 4 rows in flight overlap each row's serial
+    start and reductions); one for the fused kernel (its two tile loops and
     float64 log-ratio scalars need more than 128 registers at 32 logits per thread, and one row per SM keeps its
     rows in flight, the L2 working set, smallest)."""
-    return 2 if not two_pass else 1
+    return max(2, 16 // num_warps) if not two_pass else 1
 
 
 def _fused_grid(

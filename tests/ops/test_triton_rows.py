@@ -524,3 +524,24 @@ def test_shard_state_merged_then_row_grad(dtype):
         triton_logits.row_grad(s, ids - off, state, g, h, 0.9, buffer)
         piece.copy_(buffer)
     check_grad(out, exact_grad(graph, g, h), dtype)
+
+
+@pytest.mark.parametrize("vocab", [16400, 16401])  # aligned (overlapping last tile) and realigned (masked tail)
+def test_16bit_scan_plan_rows(vocab):
+    """The statistics and shard-partials plan of 16-bit logits past V = 16384: tiles of 4096 over 4 warps (5 tiles,
+    the last overlapping or masked), against the oracle and the torch partials; the gradient and fp32 keep theirs."""
+    assert triton_logits._block_config(vocab, False, True) == (4096, 4)
+    assert triton_logits._block_config(vocab, False, False) == (8192, 8)
+    assert triton_logits._block_config(151936, False, True) == (8192, 8)
+    gen = torch.Generator().manual_seed(vocab)
+    values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
+    values[0, 1, -5:] += 40.0  # the row's max in the last tile
+    x = make_logits(values, torch.bfloat16, "time_slice")
+    ids = torch.tensor([[5, vocab - 3]], device=DEVICE)
+    exact_lp, exact_h, _ = exact_rows(x, ids, 0.8)
+    logp, entropy, state = triton_logits.row_stats(x, ids, 0.8)
+    check_stats("logp", logp, exact_lp, torch.bfloat16)
+    check_stats("entropy", entropy, exact_h, torch.bfloat16)
+    check_state(state, logp, entropy, x, 0.8)
+    got = triton_logits.shard_partials(x, ids, 0, 0.8)
+    torch.testing.assert_close(got, torch_rows.shard_partials(x.float(), ids, 0, 0.8), rtol=2e-6, atol=0.0)
