@@ -194,12 +194,13 @@ def ptxas_report(log: str) -> tuple[int, int, int]:
     return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
 
 
-SCAN_KERNELS = ("row_stats_fwd_kernel", "shard_partials_fwd_kernel")  # read-only single-pass row kernels
+NARROW_KERNELS = {"row_stats_fwd_kernel": "scan", "shard_partials_fwd_kernel": "scan",
+                  "fused_token_grad_fwd_kernel": "fused"}  # fmt: skip
 
 
-def scan_16bit(kernel: str, dtype: str) -> bool:
-    """Whether the launcher plans `kernel` over `dtype` logits as a 16-bit read-only scan (`_block_config`)."""
-    return kernel in SCAN_KERNELS and ELEMENT_BYTES[dtype] == 2
+def narrow_plan(kernel: str, dtype: str) -> str:
+    """`_block_config`'s `narrow` as the launcher passes it for `kernel` over `dtype` logits (`_narrow_plan`)."""
+    return NARROW_KERNELS.get(kernel, "") if ELEMENT_BYTES[dtype] == 2 else ""
 
 
 def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
@@ -240,7 +241,7 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
         flags.setdefault("HEAD", False)
     if cfg["module"] == "triton_logits":  # the plain path (neither ALIGNED nor HEAD) as the launchers plan it
         scalar = not flags.get("ALIGNED", True) and not flags.get("HEAD")
-        block_v, num_warps = module._block_config(vocab, scalar, scan_16bit(cfg["kernel"], dtype))
+        block_v, num_warps = module._block_config(vocab, scalar, narrow_plan(cfg["kernel"], dtype))
     else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
         block_v, num_warps = module._block_v(vocab), 4
     # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the

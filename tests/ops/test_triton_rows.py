@@ -527,12 +527,15 @@ def test_shard_state_merged_then_row_grad(dtype):
 
 
 @pytest.mark.parametrize("vocab", [16400, 16401])  # aligned (overlapping last tile) and realigned (masked tail)
-def test_16bit_scan_plan_rows(vocab):
-    """The statistics and shard-partials plan of 16-bit logits past V = 16384: tiles of 4096 over 4 warps (5 tiles,
-    the last overlapping or masked), against the oracle and the torch partials; the gradient and fp32 keep theirs."""
-    assert triton_logits._block_config(vocab, False, True) == (4096, 4)
-    assert triton_logits._block_config(vocab, False, False) == (8192, 8)
-    assert triton_logits._block_config(151936, False, True) == (8192, 8)
+def test_16bit_plan_rows(vocab):
+    """The 16-bit plan of the statistics, shard-partials and fused kernels past V = 16384: tiles of 4096 over 4 warps
+    (5 tiles, the last overlapping or masked), against the oracle and the torch partials; the gradient kernel and
+    fp32 rows keep theirs, and above V = 65536 only the scans keep 8 warps."""
+    assert triton_logits._block_config(vocab, False, "scan") == (4096, 4)
+    assert triton_logits._block_config(vocab, False, "fused") == (4096, 4)
+    assert triton_logits._block_config(vocab, False, "") == (8192, 8)
+    assert triton_logits._block_config(151936, False, "scan") == (8192, 8)
+    assert triton_logits._block_config(151936, False, "fused") == (8192, 16)
     gen = torch.Generator().manual_seed(vocab)
     values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
     values[0, 1, -5:] += 40.0  # the row's max in the last tile
@@ -545,3 +548,5 @@ def test_16bit_scan_plan_rows(vocab):
     check_state(state, logp, entropy, x, 0.8)
     got = triton_logits.shard_partials(x, ids, 0, 0.8)
     torch.testing.assert_close(got, torch_rows.shard_partials(x.float(), ids, 0, 0.8), rtol=2e-6, atol=0.0)
+    cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
+    run_fused(x, ids, cfg, token_inputs(1, 2, gen))
