@@ -303,7 +303,7 @@ def print_model(rows: list[dict]) -> None:
 MISS_COLUMNS = (("3.9", "H100"), ("3.9", "H200"), ("3.6", "H100"), ("3.6", "H200"))
 MISSES: dict[tuple[str, str, int], tuple[tuple[float | None, ...], str]] = {
     # (kernel, dtype, V): ((3.9 H100, 3.9 H200, 3.6 H100, 3.6 H200), bound)
-    ("fused clip all", "bf16", 50257): ((3.29, 3.34, 3.18, 3.69), "latency"),
+    ("fused clip all", "bf16", 50257): ((3.29, 3.93, 3.18, 3.69), "latency"),
     ("fused clip all", "bf16", 50304): ((None, None, 4.08, None), "latency"),
     ("fused clip all", "bf16", 128256): ((3.49, 3.51, 3.44, 3.46), "latency"),
     ("fused clip all", "bf16", 129280): ((3.51, 3.53, 3.46, 3.48), "latency"),
