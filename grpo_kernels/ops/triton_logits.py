@@ -852,9 +852,20 @@ def _scalar_rows(*tensors: torch.Tensor) -> bool:
 
 
 def _narrow_plan(logits: torch.Tensor, kernel: str) -> str:
-    """`_block_config`'s `narrow` for `kernel` ("scan" or "fused") over these logits: the kernel over 2-byte logits,
-    else "" (fp32 rows keep the wide plan)."""
-    return kernel if logits.element_size() == 2 else ""
+    """`_block_config`'s `narrow` for `kernel` ("scan" or "fused") over these logits: the kernel over 2-byte logits
+    while `narrow_16bit()` holds, else "" (fp32 rows keep the wide plan)."""
+    return kernel if logits.element_size() == 2 and narrow_16bit() else ""
+
+
+def narrow_16bit() -> bool:
+    """Whether 16-bit rows get the narrow plans (`_block_config`): `NARROW_16BIT`, else the GRPO_KERNELS_NARROW_16BIT
+    variable ("1" or "0", so that a GPU can time both plans), else on."""
+    value = NARROW_16BIT if NARROW_16BIT is not None else os.environ.get(NARROW_16BIT_VARIABLE)
+    if value is None or value == "":
+        return True
+    if value not in (True, False, "1", "0", 1, 0):
+        raise ValueError(f"{NARROW_16BIT_VARIABLE} (or triton_logits.NARROW_16BIT) must be 1 or 0, got {value!r}")
+    return value in (True, "1", 1)
 
 
 def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tuple[int, int]:
@@ -914,6 +925,8 @@ ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
 FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 85e9}
 FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"
+NARROW_16BIT: bool | None = None  # False: 16-bit rows keep the wide plans; None: the variable, else on
+NARROW_16BIT_VARIABLE = "GRPO_KERNELS_NARROW_16BIT"
 
 
 def fused_grid_mode() -> str | None:

@@ -550,3 +550,19 @@ def test_16bit_plan_rows(vocab):
     torch.testing.assert_close(got, torch_rows.shard_partials(x.float(), ids, 0, 0.8), rtol=2e-6, atol=0.0)
     cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
+
+
+def test_narrow_16bit_switch(monkeypatch):
+    """GRPO_KERNELS_NARROW_16BIT (or triton_logits.NARROW_16BIT) turns the narrow 16-bit plans off ("0") or on;
+    fp32 rows never take them; anything else is refused, naming the variable."""
+    bf16, fp32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float32)
+    monkeypatch.delenv(triton_logits.NARROW_16BIT_VARIABLE, raising=False)
+    assert triton_logits._narrow_plan(bf16, "scan") == "scan" and triton_logits._narrow_plan(fp32, "scan") == ""
+    monkeypatch.setenv(triton_logits.NARROW_16BIT_VARIABLE, "0")
+    assert triton_logits._narrow_plan(bf16, "fused") == ""
+    monkeypatch.setattr(triton_logits, "NARROW_16BIT", True)  # the attribute wins over the variable
+    assert triton_logits._narrow_plan(bf16, "fused") == "fused"
+    for bad in ("yes", 2):
+        monkeypatch.setattr(triton_logits, "NARROW_16BIT", bad)
+        with pytest.raises(ValueError, match="GRPO_KERNELS_NARROW_16BIT"):
+            triton_logits.narrow_16bit()
