@@ -80,10 +80,12 @@ LOSS_HEADLINE, DRY_LOSS_HEADLINE = ("bf16", 151936, 16384), ("fp32", 64, 16)
 WARM_TOKENS = 2048
 L2_SHAPES = [("bf16", 151936, 16384), ("fp32", 151936, 16384), ("bf16", 262144, 16384)]
 DRY_L2_SHAPES = [("fp32", 64, 8)]
-# The L2 phase's last part: the row kernels at the headline shape under each pipeline schedule the launcher can be
-# switched to (triton_logits.TILES_IN_FLIGHT: 1, the previous one, then the default), after the shapes above.
-SCHEDULE_SHAPE, DRY_SCHEDULE_SHAPE = ("bf16", 151936, 16384), ("fp32", 64, 8)
-SCHEDULES = (1, 3)
+# The L2 phase's last part: the row kernels at the headline shape under each schedule the launcher can be switched
+# to, after the shapes above: (triton_logits.TILES_IN_FLIGHT, triton_logits.NARROW_16BIT): 1 tile with the wide
+# 16-bit plans (the schedule before the last two rounds), 3 tiles with the wide plans, then the default (there the
+# narrow plan changes row_stats: 8 warps in place of 16; one more compile, so the phase's budget holds).
+SCHEDULE_SHAPES, DRY_SCHEDULE_SHAPES = [("bf16", 151936, 16384)], [("fp32", 64, 8)]
+SCHEDULES = ((1, False), (3, False), (3, True))
 SUPERVISOR_MARGIN_S = 15  # the loss table's own budget stops it this long before its phase is killed
 # A loss contender still running after this long (a hang) costs its own row, not the ones after it; a cold inductor
 # compile of the headline's graph takes 20-60 s.
@@ -210,16 +212,18 @@ def measure_l2(results: Path, dry: bool) -> None:
         harness.write_json(stem.with_suffix(".json"), payload)
         harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload))
         print(report.traffic_markdown(payload), flush=True)
-    payload["schedules"] = measure_schedules(*(DRY_SCHEDULE_SHAPE if dry else SCHEDULE_SHAPE), device, dry)
+    payload["schedules"] = [measure_schedules(*shape, device, dry)
+                            for shape in (DRY_SCHEDULE_SHAPES if dry else SCHEDULE_SHAPES)]  # fmt: skip
     harness.write_json(stem.with_suffix(".json"), payload)
-    text = report.traffic_markdown(payload) + "\n" + schedules_markdown(payload["schedules"])
-    harness.write_text(stem.with_suffix(".md"), text)
-    print(schedules_markdown(payload["schedules"]), flush=True)
+    schedules = "\n".join(schedules_markdown(sched) for sched in payload["schedules"])
+    harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload) + "\n" + schedules)
+    print(schedules, flush=True)
 
 
 def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
     """Median time and floor-traffic rate of row_stats, row_grad and fused_token_grad under each SCHEDULES entry
-    (triton_logits.TILES_IN_FLIGHT, the least tiles in flight per program); a row that fails says why."""
+    (triton_logits.TILES_IN_FLIGHT, the least tiles in flight per program, and triton_logits.NARROW_16BIT, the
+    16-bit rows' narrow plans); a row that fails says why."""
     import torch
 
     from benchmarks.lib.traffic import _timed
@@ -245,12 +249,13 @@ def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry
         "fused_token_grad": (2 * size, lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused)),
     }
     rows = []
-    saved = tk.TILES_IN_FLIGHT
+    saved = tk.TILES_IN_FLIGHT, tk.NARROW_16BIT
     try:
-        for count in SCHEDULES:
-            tk.TILES_IN_FLIGHT = count
+        for count, narrow in SCHEDULES:
+            tk.TILES_IN_FLIGHT, tk.NARROW_16BIT = count, narrow
             for name, (nbytes, fn) in kernels.items():
-                row: dict[str, Any] = {"kernel": name, "tiles_in_flight": count, "bytes": nbytes}
+                row: dict[str, Any] = {"kernel": name, "tiles_in_flight": count, "narrow_16bit": narrow,
+                                       "bytes": nbytes}  # fmt: skip
                 try:
                     t = _timed(fn, device, *((1, 0) if dry else (5, 2)))
                     row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
@@ -258,19 +263,20 @@ def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
     finally:
-        tk.TILES_IN_FLIGHT = saved
+        tk.TILES_IN_FLIGHT, tk.NARROW_16BIT = saved
     return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
 
 
 def schedules_markdown(sched: dict[str, Any]) -> str:
     lines = [f"## Pipeline schedules ({sched['dtype']}, V = {sched['V']}, B·T = {sched['BT']})", "",
-             "| kernel | tiles in flight | median ms | GB/s of floor traffic |",
-             "| --- | ---: | ---: | ---: |"]  # fmt: skip
+             "| kernel | tiles in flight | 16-bit plan | median ms | GB/s of floor traffic |",
+             "| --- | ---: | --- | ---: | ---: |"]  # fmt: skip
     for r in sched["rows"]:
+        plan = f"| {r['kernel']} | {r['tiles_in_flight']} | {'narrow' if r.get('narrow_16bit') else 'wide'} |"
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['tiles_in_flight']} | error: {r['error']} | |")
+            lines.append(f"{plan} error: {r['error']} | |")
         else:
-            lines.append(f"| {r['kernel']} | {r['tiles_in_flight']} | {r['time_ms']['median']:.3f} | {r['GBps']:.0f} |")
+            lines.append(f"{plan} {r['time_ms']['median']:.3f} | {r['GBps']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

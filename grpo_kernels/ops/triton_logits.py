@@ -851,10 +851,33 @@ def _scalar_rows(*tensors: torch.Tensor) -> bool:
                                                  *(f"t{i}" for i in range(len(tensors))))  # fmt: skip
 
 
-def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
+def _narrow_plan(logits: torch.Tensor, kernel: str) -> str:
+    """`_block_config`'s `narrow` for `kernel` ("scan" or "fused") over these logits: the kernel over 2-byte logits
+    while `narrow_16bit()` holds, else "" (fp32 rows keep the wide plan)."""
+    return kernel if logits.element_size() == 2 and narrow_16bit() else ""
+
+
+def narrow_16bit() -> bool:
+    """Whether 16-bit rows get the narrow plans (`_block_config`): `NARROW_16BIT`, else the GRPO_KERNELS_NARROW_16BIT
+    variable ("1" or "0", so that a GPU can time both plans), else on."""
+    value = NARROW_16BIT if NARROW_16BIT is not None else os.environ.get(NARROW_16BIT_VARIABLE)
+    if value is None or value == "":
+        return True
+    if value not in (True, False, "1", "0", 1, 0):
+        raise ValueError(f"{NARROW_16BIT_VARIABLE} (or triton_logits.NARROW_16BIT) must be 1 or 0, got {value!r}")
+    return value in (True, "1", 1)
+
+
+def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tuple[int, int]:
     """(BLOCK_V, num_warps) keyed on V: 8-16 elements per thread, one or two 16-byte vectors of bf16. The loads in
     flight come from pipelining the tile loop (`_pipeline`), not from wider tiles, so registers stay low: 0 spills
-    on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9)."""
+    on sm_90a for every row here, dtype and flag set (tests/ops/test_hopper_compile.py, Triton 3.5 to 3.9).
+
+    `narrow`: "scan" for the statistics or shard-partials kernel over 2-byte logits, "fused" for the fused kernel
+    over them (`_narrow_plan`), planned at 32 logits per thread on fewer warps per program and more programs per
+    SM (`_programs_per_sm`): at 16384 < V <= 65536 tiles of 4096 over 4 warps (the row's serial start, reductions
+    and per-row code run by half the warps, and overlapped by 3-4 rows per SM); above, the scans keep 8 warps, each
+    tile's fixed work (its max, rescale, loop control) shared by twice the logits of 16 (docs/performance.md)."""
     if vocab <= 256:  # toy vocabularies: one warp is plenty
         return max(16, triton.next_power_of_2(vocab)), 1
     if vocab <= 1024:
@@ -863,9 +886,11 @@ def _block_config(vocab: int, scalar_rows: bool = False) -> tuple[int, int]:
         return triton.next_power_of_2(vocab), 8
     if vocab <= 16384:  # 2-4 tiles of 4096
         return 4096, 8
+    if vocab <= 65536 and narrow and not scalar_rows:  # 5-16 tiles of 4096, 32 logits per thread, 4 warps
+        return 4096, 4
     if vocab <= 65536:  # Llama-2 (32000), Mistral (32768): 4 tiles of 8192, 32 logits per thread; GPT-2 (50257): 7
         return 8192, 8
-    if scalar_rows:  # the plain path's scalar loads need more registers than 16 warps leave (Triton 3.5 spills)
+    if scalar_rows or narrow == "scan":  # the plain path's scalar loads: 16 warps leave too few
         return 8192, 8
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
 
@@ -900,6 +925,8 @@ ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
 FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 85e9}
 FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"
+NARROW_16BIT: bool | None = None  # False: 16-bit rows keep the wide plans; None: the variable, else on
+NARROW_16BIT_VARIABLE = "GRPO_KERNELS_NARROW_16BIT"
 
 
 def fused_grid_mode() -> str | None:
@@ -926,11 +953,13 @@ def tiles_in_flight() -> int:
 
 
 def _programs_per_sm(num_warps: int, two_pass: bool) -> int:
-    """Resident programs per SM the plan counts on: two for the single-pass kernels (a third would cap registers
-    below what a 16-warp pipelined tile needs without spilling); one for the fused kernel (its two tile loops and
-    float64 log-ratio scalars need more than 128 registers at 32 logits per thread, and one row per SM keeps its
-    rows in flight, the L2 working set, smallest)."""
-    return 2 if not two_pass else 1
+    """Resident programs per SM the plan counts on. Single-pass kernels: 16 warps' worth, at least two (a third
+    program of 8 or 16 warps would cap registers below what a pipelined tile of 16 or 32 logits per thread needs
+    without spilling; four of 4 warps in the 16-bit scans' plan, whose rows in flight overlap each other's serial
+    start and reductions). The fused kernel: 12 warps' worth, at least one (its two tile loops and float64
+    log-ratio scalars need more than 128 registers at 32 logits per thread: one program of 8 or 16 warps, three of
+    4 warps in its 16-bit plan, at most 170 registers), and few rows in flight keep its L2 working set small."""
+    return max(2, 16 // num_warps) if not two_pass else max(1, 12 // num_warps)
 
 
 def _fused_grid(
@@ -1100,7 +1129,7 @@ def row_stats(
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     state = empty_row_state(batch, length, logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab, _scalar_rows(logits))
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits), _narrow_plan(logits, "scan"))
     grid = (_num_programs(rows, logits, False),)
     inv_tau = float(np.float32(1.0 / temperature))
     row_stats_fwd_kernel[grid](
@@ -1120,7 +1149,7 @@ def shard_partials(logits: torch.Tensor, ids: torch.Tensor, offset: int, tempera
     batch, length, vocab = _assert_rows(logits, ids)
     parts = torch.empty(batch, length, SHARD_PARTIALS_WIDTH, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab, _scalar_rows(logits))
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits), _narrow_plan(logits, "scan"))
     grid = (_num_programs(rows, logits, False),)
     shard_partials_fwd_kernel[grid](
         logits, ids, parts, rows, length, vocab, offset,
@@ -1200,7 +1229,7 @@ def fused_token_grad(
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out))
+    block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out), _narrow_plan(logits, "fused"))
     grid = (_num_programs(rows, logits, True, num_warps),)
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)

@@ -194,6 +194,15 @@ def ptxas_report(log: str) -> tuple[int, int, int]:
     return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
 
 
+NARROW_KERNELS = {"row_stats_fwd_kernel": "scan", "shard_partials_fwd_kernel": "scan",
+                  "fused_token_grad_fwd_kernel": "fused"}  # fmt: skip
+
+
+def narrow_plan(kernel: str, dtype: str) -> str:
+    """`_block_config`'s `narrow` as the launcher passes it for `kernel` over `dtype` logits (`_narrow_plan`)."""
+    return NARROW_KERNELS.get(kernel, "") if ELEMENT_BYTES[dtype] == 2 else ""
+
+
 def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
     """Resident programs per sm_90 SM: 64 Ki registers (allocated per warp in units of 256), 64 warps, 32 blocks,
     228 KiB of shared memory (1 KiB reserved per block, at most 227 KiB for one)."""
@@ -231,7 +240,8 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
     if "HEAD" in getattr(kernel, "values", {}):  # a config that does not name it: the plain unaligned path
         flags.setdefault("HEAD", False)
     if cfg["module"] == "triton_logits":  # the plain path (neither ALIGNED nor HEAD) as the launchers plan it
-        block_v, num_warps = module._block_config(vocab, not flags.get("ALIGNED", True) and not flags.get("HEAD"))
+        scalar = not flags.get("ALIGNED", True) and not flags.get("HEAD")
+        block_v, num_warps = module._block_config(vocab, scalar, narrow_plan(cfg["kernel"], dtype))
     else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
         block_v, num_warps = module._block_v(vocab), 4
     # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the

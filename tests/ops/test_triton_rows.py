@@ -524,3 +524,45 @@ def test_shard_state_merged_then_row_grad(dtype):
         triton_logits.row_grad(s, ids - off, state, g, h, 0.9, buffer)
         piece.copy_(buffer)
     check_grad(out, exact_grad(graph, g, h), dtype)
+
+
+@pytest.mark.parametrize("vocab", [16400, 16401])  # aligned (overlapping last tile) and realigned (masked tail)
+def test_16bit_plan_rows(vocab):
+    """The 16-bit plan of the statistics, shard-partials and fused kernels past V = 16384: tiles of 4096 over 4 warps
+    (5 tiles, the last overlapping or masked), against the oracle and the torch partials; the gradient kernel and
+    fp32 rows keep theirs, and above V = 65536 only the scans keep 8 warps."""
+    assert triton_logits._block_config(vocab, False, "scan") == (4096, 4)
+    assert triton_logits._block_config(vocab, False, "fused") == (4096, 4)
+    assert triton_logits._block_config(vocab, False, "") == (8192, 8)
+    assert triton_logits._block_config(151936, False, "scan") == (8192, 8)
+    assert triton_logits._block_config(151936, False, "fused") == (8192, 16)
+    gen = torch.Generator().manual_seed(vocab)
+    values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
+    values[0, 1, -5:] += 40.0  # the row's max in the last tile
+    x = make_logits(values, torch.bfloat16, "time_slice")
+    ids = torch.tensor([[5, vocab - 3]], device=DEVICE)
+    exact_lp, exact_h, _ = exact_rows(x, ids, 0.8)
+    logp, entropy, state = triton_logits.row_stats(x, ids, 0.8)
+    check_stats("logp", logp, exact_lp, torch.bfloat16)
+    check_stats("entropy", entropy, exact_h, torch.bfloat16)
+    check_state(state, logp, entropy, x, 0.8)
+    got = triton_logits.shard_partials(x, ids, 0, 0.8)
+    torch.testing.assert_close(got, torch_rows.shard_partials(x.float(), ids, 0, 0.8), rtol=2e-6, atol=0.0)
+    cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
+    run_fused(x, ids, cfg, token_inputs(1, 2, gen))
+
+
+def test_narrow_16bit_switch(monkeypatch):
+    """GRPO_KERNELS_NARROW_16BIT (or triton_logits.NARROW_16BIT) turns the narrow 16-bit plans off ("0") or on;
+    fp32 rows never take them; anything else is refused, naming the variable."""
+    bf16, fp32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float32)
+    monkeypatch.delenv(triton_logits.NARROW_16BIT_VARIABLE, raising=False)
+    assert triton_logits._narrow_plan(bf16, "scan") == "scan" and triton_logits._narrow_plan(fp32, "scan") == ""
+    monkeypatch.setenv(triton_logits.NARROW_16BIT_VARIABLE, "0")
+    assert triton_logits._narrow_plan(bf16, "fused") == ""
+    monkeypatch.setattr(triton_logits, "NARROW_16BIT", True)  # the attribute wins over the variable
+    assert triton_logits._narrow_plan(bf16, "fused") == "fused"
+    for bad in ("yes", 2):
+        monkeypatch.setattr(triton_logits, "NARROW_16BIT", bad)
+        with pytest.raises(ValueError, match="GRPO_KERNELS_NARROW_16BIT"):
+            triton_logits.narrow_16bit()
