@@ -62,6 +62,13 @@ def _tail_tile(args: dict) -> bool:
     return bool(args["ALIGNED"]) and args["V"] % 16 == 0 and args["V"] >= args["BLOCK_V"]
 
 
+@triton.jit
+def _overlapped_start(i, n, BLOCK_V: tl.constexpr):
+    """Where tile i of a row that ends in a full tile overlapping the one before (`_tail_tile`) starts: i·BLOCK_V,
+    and n − BLOCK_V for the last (still a multiple of 16: n is)."""
+    return tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+
+
 def _tail_slots(slots: int, num_warps: int) -> int:
     """Slots of a tail tile: a quarter tile, but no fewer than one slot per thread. Fewer slots than threads lay
     a slot's vector across lanes, and each tail tile then pays shuffles for its row reductions."""
@@ -190,7 +197,7 @@ def _row_scan(
         # Every tile in the pipelined loop: the last one is [n − BLOCK_V, n), and drops the logits the tile before
         # it has seen (the `_scan_tile` head mask, from the tile's nominal start i·BLOCK_V).
         for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
-            v0 = tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+            v0 = _overlapped_start(i, n, BLOCK_V)
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
             b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, i * BLOCK_V, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True)
     else:
@@ -288,6 +295,10 @@ def _row_grad_store(
     b_live = b_g != 0.0
     if HAS_ENT:
         b_live = b_live | (b_h != 0.0)
+    if TAIL_SLOTS > 0:  # the ragged tail in smaller tiles, as in `_row_scan`
+        v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, else scalar tails
+        CHUNK: tl.constexpr = TAIL_SLOTS * VEC
+        o_c = _tile_offsets(TAIL_SLOTS, VEC)
     if b_live:
         b_hs = b_h * LN2 * inv_tau
         b_gn = b_hs * b_c2 - b_g * inv_tau
@@ -299,14 +310,11 @@ def _row_grad_store(
             b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
         if TAIL_SLOTS == 0:  # every tile pipelined, the last one overlapping: its head is not stored again
             for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
-                v0 = tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+                v0 = _overlapped_start(i, n, BLOCK_V)
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
                 b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, i * BLOCK_V, SLOTS, VEC, True)
         else:
-            v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, else scalar tails
-            CHUNK: tl.constexpr = TAIL_SLOTS * VEC  # the ragged tail in smaller tiles, as in `_row_scan`
-            o_c = _tile_offsets(TAIL_SLOTS, VEC)
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
                 b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
@@ -324,16 +332,13 @@ def _row_grad_store(
         b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
         if TAIL_SLOTS == 0:  # zeros over the overlap again: nothing else is written there
             for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=1):
-                v0 = tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
+                v0 = _overlapped_start(i, n, BLOCK_V)
                 tl.store(p_oa + v0 + o_b, b_zero, eviction_policy="evict_first")
         else:
-            v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)
-            CHUNK2: tl.constexpr = TAIL_SLOTS * VEC
-            o_c = _tile_offsets(TAIL_SLOTS, VEC)
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=1):
                 _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
             b_zc = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
-            for c0 in tl.range(v_full, n, CHUNK2, num_stages=1):
+            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
                 m_s = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
                 tl.store(p_oa + c0 + o_c, b_zc, mask=m_s, eviction_policy="evict_first")
 
