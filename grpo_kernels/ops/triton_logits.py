@@ -58,7 +58,8 @@ def _tail_tile(args: dict) -> bool:
     """Rows that end in a full tile overlapping the one before (TAIL_SLOTS = 0): ALIGNED rows of V >= BLOCK_V,
     V a multiple of 16, so that the last tile [V − BLOCK_V, V) is made of 16-byte vectors too. Their every tile,
     the last one included, goes through the pipelined loop; the other rows end in one masked tile of TAIL_SLOTS
-    slots (`_tail_slots`, `_load_tail`), loaded before the loop and reduced after it."""
+    slots (`_tail_slots`, `_load_tail`), loaded before the loop and reduced after it (scalar rows: in chunks after
+    it)."""
     return bool(args["ALIGNED"]) and args["V"] % 16 == 0 and args["V"] >= args["BLOCK_V"]
 
 
@@ -70,14 +71,20 @@ def _overlapped_start(i, n, BLOCK_V: tl.constexpr):
 
 
 def _tail_slots(args: dict) -> int:
-    """Slots of the masked tail tile of a row that does not end in an overlapping full tile (`_tail_tile`): as
-    many 16-byte vectors as its ragged tail [V − V % BLOCK_V, V) can span from a row start realigned down to its
-    16-element boundary (`HEAD`), to a power of two, at least one slot per thread (fewer would lay a slot's vector
-    across lanes, and the tile's reductions would pay shuffles) and at most a full tile. A constexpr from V: one
-    compile per vocabulary class, not per length."""
+    """Slots of the masked tail tile of a row that does not end in an overlapping full tile (`_tail_tile`). On
+    16-byte vectors: as many vectors as its ragged tail [V − V % BLOCK_V, V) can span from a row start realigned
+    down to its 16-element boundary (`HEAD`), to a power of two, so that one tile covers it (loaded before the
+    loop). Scalar rows: a quarter tile, their tail scanned in chunks. At least one slot per thread (fewer would
+    lay a slot's vector across lanes, and the tile's reductions would pay shuffles), at most a full tile. A
+    constexpr from V: one compile per vocabulary class, not per length."""
     slots, vec = _tile_shape(args["BLOCK_V"], args["x_ptr"].element_size())
-    need = -(-(args["V"] % args["BLOCK_V"] + 15) // vec) if args["V"] > args["BLOCK_V"] else slots
-    return min(slots, max(triton.next_power_of_2(need), 32 * args.get("num_warps", 4)))
+    if not (args["ALIGNED"] or args["HEAD"]):
+        need = slots // 4
+    elif args["V"] > args["BLOCK_V"]:
+        need = triton.next_power_of_2(-(-(args["V"] % args["BLOCK_V"] + 15) // vec))
+    else:
+        need = slots
+    return min(slots, max(need, 32 * args.get("num_warps", 4)))
 
 
 def _words(args: dict) -> bool:
@@ -130,11 +137,11 @@ def _load_tile(p, o_b, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constex
 @triton.jit
 def _load_tail(p, r, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr,
                VECTORS: tl.constexpr):  # fmt: skip
-    """A row's ragged tail [0, r) from `p` (r < BLOCK_V) as one tile shaped like the others, as loaded (`_widen`
-    makes it fp32); what it holds at and past r is unspecified, for the caller to mask (`_is_before(r, ...)`).
-    VECTORS (rows on 16-byte vectors): each vector that holds a tail logit is read whole, one instruction per
+    """A row's ragged tail [0, r) from `p` as one tile [SLOTS, VEC], as loaded (`_tail_logits` makes it fp32 and
+    masks it). VECTORS (rows on 16-byte vectors): each vector that holds a tail logit is read whole, one instruction per
     vector. The rest of such a vector lies in the same aligned 16 bytes, so on a page the tensor touches: a read
-    there cannot fault, whatever follows the row. Other rows are read logit by logit, up to r."""
+    there cannot fault, whatever follows the row; what it holds at and past r is unspecified. Other rows are read
+    logit by logit, up to r (−inf past it)."""
     if VECTORS:
         m_v = (tl.arange(0, SLOTS) * VEC < r)[:, None]  # whole vectors: one predicate per slot
         if WORDS:
@@ -145,7 +152,17 @@ def _load_tail(p, r, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr
             return tl.load(p + _tile_offsets(SLOTS, VEC), mask=m_v, other=0.0, eviction_policy=EVICT)
     else:
         o_b = _tile_offsets(SLOTS, VEC)
-        return tl.load(p + o_b, mask=o_b < r, other=0.0, eviction_policy=EVICT)
+        return tl.load(p + o_b, mask=o_b < r, other=float("-inf"), eviction_policy=EVICT)
+
+
+@triton.jit
+def _tail_logits(b_wt, r, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr, VECTORS: tl.constexpr):
+    """A tail tile of `_load_tail` in fp32, −inf at and past the row's end r (whatever a whole vector's read left
+    there; the scalar rows' masked loads give −inf there themselves)."""
+    if VECTORS:
+        return tl.where(_is_before(r, SLOTS, VEC), _widen(b_wt, SLOTS, VEC, WORDS), float("-inf"))
+    else:
+        return _widen(b_wt, SLOTS, VEC, WORDS)
 
 
 @triton.jit
@@ -235,17 +252,24 @@ def _row_scan(
         # its start) and drops them in `_scan_tile`. The ragged tail [v_full, n) is one tile more, loaded before the
         # loop and scanned after it, so that its load waits behind the whole loop, not in front of the row's end.
         v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
-        b_wt = _load_tail(p_a + v_full, n - v_full, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
+        CHUNK: tl.constexpr = TAIL_SLOTS * VEC
+        if VECTORS:
+            b_wt = _load_tail(p_a + v_full, n - v_full, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
         for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
             b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
         # into accumulators of the tail tile's own shape (TAIL_SLOTS slots), combined with the others below
-        b_xt = tl.where(_is_before(n - v_full, TAIL_SLOTS, VEC), _widen(b_wt, TAIL_SLOTS, VEC, WORDS), float("-inf"))
-        b_mc, b_sc, b_tc = _scan_tile(
-            b_xt, v_full, y_a, shift, tl.full([TAIL_SLOTS], float("-inf"), tl.float32),
-            tl.zeros([TAIL_SLOTS], tl.float32), tl.zeros([TAIL_SLOTS], tl.float32), k2, TAIL_SLOTS * VEC, TAIL_SLOTS,
-            VEC, HEAD,
-        )  # fmt: skip
+        b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
+        b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
+        b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
+        if VECTORS:  # one tile covers the tail (`_tail_slots`)
+            b_xt = _tail_logits(b_wt, n - v_full, TAIL_SLOTS, VEC, WORDS, VECTORS)
+            b_mc, b_sc, b_tc = _scan_tile(b_xt, v_full, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD)
+        else:  # scalar rows: a load per logit, in chunks loaded after the loop (in registers across it they spill)
+            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+                b_wt = _load_tail(p_a + c0, n - c0, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
+                b_xt = _tail_logits(b_wt, n - c0, TAIL_SLOTS, VEC, WORDS, VECTORS)
+                b_mc, b_sc, b_tc = _scan_tile(b_xt, c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD)
     if not TARGET_FIRST:
         # The target's logit, read after the scan (the row is in cache): issued before the tile loop, its address
         # would wait on the id's load, and in-order issue would hold the first tile's copies behind it.
@@ -323,10 +347,9 @@ def _row_grad_store(
     b_live = b_g != 0.0
     if HAS_ENT:
         b_live = b_live | (b_h != 0.0)
-    if TAIL_SLOTS > 0:  # the ragged tail: one more tile, loaded before the loop (`_row_scan`)
+    if TAIL_SLOTS > 0:  # the ragged tail as in `_row_scan`: one tile loaded before the loop, or scalar chunks
         v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, else scalar tails
-        o_t = _tile_offsets(TAIL_SLOTS, VEC)
-        m_t = _is_before(n - v_full, TAIL_SLOTS, VEC) & ~_is_before(shift - v_full, TAIL_SLOTS, VEC)  # HEAD's head
+        CHUNK: tl.constexpr = TAIL_SLOTS * VEC
     if b_live:
         b_hs = b_h * LN2 * inv_tau
         b_gn = b_hs * b_c2 - b_g * inv_tau
@@ -343,16 +366,24 @@ def _row_grad_store(
                 b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, i * BLOCK_V, SLOTS, VEC, True)
         else:
-            b_wt = _load_tail(p_a + v_full, n - v_full, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
+            if VECTORS:
+                b_wt = _load_tail(p_a + v_full, n - v_full, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
                 b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
-            b_xt = _widen(b_wt, TAIL_SLOTS, VEC, WORDS)  # past the row's end: not stored
-            b_d = _grad_tile(
-                b_xt, v_full, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS * VEC, TAIL_SLOTS, VEC
-            )  # fmt: skip
-            tl.store(p_oa + v_full + o_t, b_d.to(p_oa.dtype.element_ty), mask=m_t, eviction_policy="evict_first")
+            if VECTORS:
+                _tail_grad_store(
+                    b_wt, p_oa, v_full, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                    WORDS,
+                )  # fmt: skip
+            else:
+                for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+                    b_wt = _load_tail(p_a + c0, n - c0, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
+                    _tail_grad_store(
+                        b_wt, p_oa, c0, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                        WORDS,
+                    )  # fmt: skip
     else:
         b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
         if TAIL_SLOTS == 0:  # zeros over the overlap again: nothing else is written there
@@ -363,7 +394,25 @@ def _row_grad_store(
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=1):
                 _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
             b_zt = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
-            tl.store(p_oa + v_full + o_t, b_zt, mask=m_t, eviction_policy="evict_first")
+            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):  # one trip on 16-byte vectors
+                m_t = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+                tl.store(p_oa + c0 + _tile_offsets(TAIL_SLOTS, VEC), b_zt, mask=m_t, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tail_grad_store(
+    b_wt, p_oa, c0, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr,
+):  # fmt: skip
+    """The gradient of a tail tile at c0 (as `_load_tail` loaded it), stored up to the row's end n, and not over
+    a HEAD row's head [0, shift)."""
+    b_d = _grad_tile(
+        _widen(b_wt, TAIL_SLOTS, VEC, WORDS), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS * VEC,
+        TAIL_SLOTS, VEC,
+    )  # fmt: skip
+    m_t = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+    tl.store(p_oa + c0 + _tile_offsets(TAIL_SLOTS, VEC), b_d.to(p_oa.dtype.element_ty), mask=m_t,
+             eviction_policy="evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -835,15 +884,25 @@ def fused_token_grad_fwd_kernel(
     # nothing waits on a load (in the SASS the first use of a load waits for every load issued before it), so
     # that no load waits at the row's start, in front of its first tile copies: the target's address and load
     # (`_row_scan`'s TARGET_FIRST) use an id already in registers.
+    # (On 16-byte vectors: the scalar rows' plan has no registers to carry them across a row, nor copies to hold.)
     i_n = tl.program_id(0)
-    y_n = _load_id(y_ptr, i_n, N, T, stride_yb, stride_yt)
-    adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_token_inputs(
-        i_n, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb, stride_wt,
-        stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt,
-        HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
-    )  # fmt: skip
+    if VECTORS:
+        y_n = _load_id(y_ptr, i_n, N, T, stride_yb, stride_yt)
+        adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_token_inputs(
+            i_n, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb,
+            stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
+            stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+        )  # fmt: skip
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
-        y, b_adv, b_w, b_old, b_lref, b_rho, b_h = y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n
+        if VECTORS:
+            y, b_adv, b_w, b_old, b_lref, b_rho, b_h = y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n
+        else:
+            y = _load_id(y_ptr, i_r, N, T, stride_yb, stride_yt)
+            b_adv, b_w, b_old, b_lref, b_rho, b_h = _load_token_inputs(
+                i_r, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb,
+                stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
+                stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+            )  # fmt: skip
         i_row, i_b, i_t = _row_index(i_r, T)
         o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
         shift = 0
@@ -873,7 +932,7 @@ def fused_token_grad_fwd_kernel(
             "evict_last",
             HEAD,
             WORDS,
-            True,
+            VECTORS,  # TARGET_FIRST (the scalar rows' plan has no register to spare across the scan)
         )  # pass 2 re-reads the row from L2
         b_lp = _exact_logp_from_log2s(x_y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
@@ -884,13 +943,14 @@ def fused_token_grad_fwd_kernel(
             b_lp, b_adv, b_old, b_lref, b_rho, b_w, lo, hi, delta, eps_high, beta, sapo_pos, sapo_neg,
             LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
         )  # fmt: skip
-        i_n = i_r + tl.num_programs(0)
-        y_n = _load_id(y_ptr, i_n, N, T, stride_yb, stride_yt)
-        adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_token_inputs(
-            i_n, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb, stride_wt,
-            stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt,
-            HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
-        )  # fmt: skip
+        if VECTORS:
+            i_n = i_r + tl.num_programs(0)
+            y_n = _load_id(y_ptr, i_n, N, T, stride_yb, stride_yt)
+            adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_token_inputs(
+                i_n, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb,
+                stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
+                stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+            )  # fmt: skip
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
             b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
