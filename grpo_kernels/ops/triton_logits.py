@@ -50,7 +50,7 @@ _TILE_HEURISTICS = {
     "SLOTS": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[0],
     "VEC": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[1],
     "TAIL_SLOTS": lambda a: 0 if _tail_tile(a) else _tail_slots(a),
-    "VECTORS": lambda a: bool(a["ALIGNED"] or a["HEAD"]),
+    "VECTORS": lambda a: _vectors(a),  # (defined below)
 }
 
 
@@ -70,6 +70,12 @@ def _overlapped_start(i, n, BLOCK_V: tl.constexpr):
     return tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
 
 
+def _vectors(args: dict) -> bool:
+    """Rows on 16-byte vectors (ALIGNED or HEAD) of logits that start on 16 bytes: their tail tile may read the
+    whole vector that holds a tail logit (`_load_tail`)."""
+    return bool(args["ALIGNED"] or args["HEAD"]) and args["x_ptr"].data_ptr() % 16 == 0
+
+
 def _tail_slots(args: dict) -> int:
     """Slots of the masked tail tile of a row that does not end in an overlapping full tile (`_tail_tile`). On
     16-byte vectors: as many vectors as its ragged tail [V − V % BLOCK_V, V) can span from a row start realigned
@@ -78,7 +84,7 @@ def _tail_slots(args: dict) -> int:
     lay a slot's vector across lanes, and the tile's reductions would pay shuffles), at most a full tile. A
     constexpr from V: one compile per vocabulary class, not per length."""
     slots, vec = _tile_shape(args["BLOCK_V"], args["x_ptr"].element_size())
-    if not (args["ALIGNED"] or args["HEAD"]):
+    if not _vectors(args):
         need = slots // 4
     elif args["V"] > args["BLOCK_V"]:
         need = triton.next_power_of_2(-(-(args["V"] % args["BLOCK_V"] + 15) // vec))
@@ -88,8 +94,10 @@ def _tail_slots(args: dict) -> int:
 
 
 def _words(args: dict) -> bool:
-    """bf16 rows on 16-byte vectors: full tiles are read as 32-bit words (`_load_tile`)."""
-    return args["x_ptr"].dtype == torch.bfloat16 and bool(args["ALIGNED"] or args["HEAD"])
+    """bf16 rows on 16-byte vectors: full tiles are read as 32-bit words (`_load_tile`). Only where the logits
+    start on 16 bytes (`_vectors`): ALIGNED strides alone leave a view like x[..., 1:] 2 bytes off, and a word read
+    there would be a misaligned access."""
+    return args["x_ptr"].dtype == torch.bfloat16 and _vectors(args)
 
 
 # ------------------------------------------------------------------------------------------------------------------
