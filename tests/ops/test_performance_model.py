@@ -295,7 +295,7 @@ def print_model(rows: list[dict]) -> None:
 MISS_COLUMNS = (("3.9", "H100"), ("3.9", "H200"), ("3.6", "H100"), ("3.6", "H200"))
 MISSES: dict[tuple[str, str, int], tuple[tuple[float | None, ...], str]] = {
     # (kernel, dtype, V): ((3.9 H100, 3.9 H200, 3.6 H100, 3.6 H200), bound)
-    ("fused clip all", "bf16", 50257): ((3.92, None, 3.79, None), "latency"),
+    ("fused clip all", "bf16", 50257): ((3.83, None, 3.83, None), "latency"),
     ("fused clip all", "bf16", 50304): ((None, None, 3.97, None), "latency"),
     ("fused clip all", "bf16", 128256): ((3.54, 3.55, 3.44, 3.45), "latency"),
     ("fused clip all", "bf16", 129280): ((3.56, 3.58, 3.47, 3.48), "latency"),
