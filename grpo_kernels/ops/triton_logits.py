@@ -436,39 +436,37 @@ def _store_tile(p, b, v0, shift, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: t
 
 
 @triton.jit
-def _load_token_inputs(
-    i_r, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb, stride_wt,
-    stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt,
-    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_RATIO: tl.constexpr, HAS_ENT: tl.constexpr,
-):  # fmt: skip
-    """The fused kernel's per-token inputs of row i_r, fp32 (advantage, weight, ℓ_old, ℓ_ref, ρ, entropy weight;
-    the defaults where a flag is off; zeros for a row past the last, N)."""
-    i_b = tl.cast(i_r, tl.int64) // T
-    i_t = tl.cast(i_r, tl.int64) % T
-    live = i_r < N
-    b_adv = tl.load(adv_ptr + i_b * stride_ab + i_t * stride_at, mask=live, other=0.0).to(tl.float32)
-    b_w = tl.load(w_ptr + i_b * stride_wb + i_t * stride_wt, mask=live, other=0.0).to(tl.float32)
-    b_old = 0.0
-    if HAS_OLD:
-        b_old = tl.load(old_ptr + i_b * stride_oldb + i_t * stride_oldt, mask=live, other=0.0).to(tl.float32)
-    b_lref = 0.0
-    if HAS_REF:
-        b_lref = tl.load(ref_ptr + i_b * stride_refb + i_t * stride_reft, mask=live, other=0.0).to(tl.float32)
-    b_rho = 1.0
-    if HAS_RATIO:
-        b_rho = tl.load(rho_ptr + i_b * stride_rhob + i_t * stride_rhot, mask=live, other=0.0).to(tl.float32)
-    b_h = 0.0
-    if HAS_ENT:
-        b_h = tl.load(hw_ptr + i_b * stride_hwb + i_t * stride_hwt, mask=live, other=0.0).to(tl.float32)
-    return b_adv, b_w, b_old, b_lref, b_rho, b_h
+def _load_row_value(p, i_b, i_t, stride_b, stride_t, live):
+    return tl.load(p + i_b * stride_b + i_t * stride_t, mask=live, other=0).to(tl.float32)
 
 
 @triton.jit
-def _load_id(y_ptr, i_r, N, T, stride_yb, stride_yt):
-    """The target id of row i_r as int32 (0 for a row past the last, N)."""
+def _load_row_inputs(
+    i_r, N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt, stride_ab, stride_at,
+    stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
+    stride_hwt, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_RATIO: tl.constexpr, HAS_ENT: tl.constexpr,
+):  # fmt: skip
+    """The fused kernel's inputs of row i_r: the target id (int32) and the per-token values in fp32 (advantage,
+    weight, ℓ_old, ℓ_ref, ρ, entropy weight; the defaults where a flag is off); zeros for a row past the last."""
     i_b = tl.cast(i_r, tl.int64) // T
     i_t = tl.cast(i_r, tl.int64) % T
-    return tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt, mask=i_r < N, other=0).to(tl.int32)
+    live = i_r < N
+    y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt, mask=live, other=0).to(tl.int32)
+    b_adv = _load_row_value(adv_ptr, i_b, i_t, stride_ab, stride_at, live)
+    b_w = _load_row_value(w_ptr, i_b, i_t, stride_wb, stride_wt, live)
+    b_old = 0.0
+    if HAS_OLD:
+        b_old = _load_row_value(old_ptr, i_b, i_t, stride_oldb, stride_oldt, live)
+    b_lref = 0.0
+    if HAS_REF:
+        b_lref = _load_row_value(ref_ptr, i_b, i_t, stride_refb, stride_reft, live)
+    b_rho = 1.0
+    if HAS_RATIO:
+        b_rho = _load_row_value(rho_ptr, i_b, i_t, stride_rhob, stride_rhot, live)
+    b_h = 0.0
+    if HAS_ENT:
+        b_h = _load_row_value(hw_ptr, i_b, i_t, stride_hwb, stride_hwt, live)
+    return y, b_adv, b_w, b_old, b_lref, b_rho, b_h
 
 
 @triton.jit
@@ -893,23 +891,20 @@ def fused_token_grad_fwd_kernel(
     # that no load waits at the row's start, in front of its first tile copies: the target's address and load
     # (`_row_scan`'s TARGET_FIRST) use an id already in registers.
     # (On 16-byte vectors: the scalar rows' plan has no registers to carry them across a row, nor copies to hold.)
-    i_n = tl.program_id(0)
     if VECTORS:
-        y_n = _load_id(y_ptr, i_n, N, T, stride_yb, stride_yt)
-        adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_token_inputs(
-            i_n, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb,
-            stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
-            stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+        y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_row_inputs(
+            tl.program_id(0), N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt,
+            stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft,
+            stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
         )  # fmt: skip
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
         if VECTORS:
             y, b_adv, b_w, b_old, b_lref, b_rho, b_h = y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n
         else:
-            y = _load_id(y_ptr, i_r, N, T, stride_yb, stride_yt)
-            b_adv, b_w, b_old, b_lref, b_rho, b_h = _load_token_inputs(
-                i_r, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb,
-                stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
-                stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+            y, b_adv, b_w, b_old, b_lref, b_rho, b_h = _load_row_inputs(
+                i_r, N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt,
+                stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft,
+                stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
             )  # fmt: skip
         i_row, i_b, i_t = _row_index(i_r, T)
         o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
@@ -952,12 +947,10 @@ def fused_token_grad_fwd_kernel(
             LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
         )  # fmt: skip
         if VECTORS:
-            i_n = i_r + tl.num_programs(0)
-            y_n = _load_id(y_ptr, i_n, N, T, stride_yb, stride_yt)
-            adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_token_inputs(
-                i_n, N, T, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_ab, stride_at, stride_wb,
-                stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
-                stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+            y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_row_inputs(
+                i_r + tl.num_programs(0), N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb,
+                stride_yt, stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb,
+                stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
             )  # fmt: skip
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
