@@ -41,8 +41,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # kernels see globals only as constexpr
 
 
 def _tile_shape(block_v: int, elem_bytes: int) -> tuple[int, int]:
-    """(SLOTS, VEC) of a BLOCK_V tile (`_tile_offsets`): VEC logits in one 16-byte vector per slot. The ragged
-    tail of a row is scanned in smaller tiles of TAIL_SLOTS slots (`_tail_slots`)."""
+    """(SLOTS, VEC) of a BLOCK_V tile (`_tile_offsets`): VEC logits in one 16-byte vector per slot."""
     vec = min(16 // elem_bytes, block_v)
     return block_v // vec, vec
 
@@ -50,15 +49,17 @@ def _tile_shape(block_v: int, elem_bytes: int) -> tuple[int, int]:
 _TILE_HEURISTICS = {
     "SLOTS": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[0],
     "VEC": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[1],
-    "TAIL_SLOTS": lambda a: 0 if _tail_tile(a) else _tail_slots(a["SLOTS"], a.get("num_warps", 4)),
+    "TAIL_SLOTS": lambda a: 0 if _tail_tile(a) else _tail_slots(a),
+    "VECTORS": lambda a: _vectors(a),  # (defined below)
 }
 
 
 def _tail_tile(args: dict) -> bool:
     """Rows that end in a full tile overlapping the one before (TAIL_SLOTS = 0): ALIGNED rows of V >= BLOCK_V,
     V a multiple of 16, so that the last tile [V − BLOCK_V, V) is made of 16-byte vectors too. Their every tile,
-    the last one included, goes through the pipelined loop; the other rows scan their ragged tail in smaller masked
-    tiles (`_tail_slots`)."""
+    the last one included, goes through the pipelined loop; the other rows end in one masked tile of TAIL_SLOTS
+    slots (`_tail_slots`, `_load_tail`), loaded before the loop and reduced after it (scalar rows: in chunks after
+    it)."""
     return bool(args["ALIGNED"]) and args["V"] % 16 == 0 and args["V"] >= args["BLOCK_V"]
 
 
@@ -69,15 +70,34 @@ def _overlapped_start(i, n, BLOCK_V: tl.constexpr):
     return tl.multiple_of(tl.minimum(i * BLOCK_V, n - BLOCK_V), 16)
 
 
-def _tail_slots(slots: int, num_warps: int) -> int:
-    """Slots of a tail tile: a quarter tile, but no fewer than one slot per thread. Fewer slots than threads lay
-    a slot's vector across lanes, and each tail tile then pays shuffles for its row reductions."""
-    return min(slots, max(slots // 4, 32 * num_warps))
+def _vectors(args: dict) -> bool:
+    """Rows on 16-byte vectors (ALIGNED or HEAD) of logits that start on 16 bytes: their tail tile may read the
+    whole vector that holds a tail logit (`_load_tail`)."""
+    return bool(args["ALIGNED"] or args["HEAD"]) and args["x_ptr"].data_ptr() % 16 == 0
+
+
+def _tail_slots(args: dict) -> int:
+    """Slots of the masked tail tile of a row that does not end in an overlapping full tile (`_tail_tile`). On
+    16-byte vectors: as many vectors as its ragged tail [V − V % BLOCK_V, V) can span from a row start realigned
+    down to its 16-element boundary (`HEAD`), to a power of two, so that one tile covers it (loaded before the
+    loop). Scalar rows: a quarter tile, their tail scanned in chunks. At least one slot per thread (fewer would
+    lay a slot's vector across lanes, and the tile's reductions would pay shuffles), at most a full tile. A
+    constexpr from V: one compile per vocabulary class, not per length."""
+    slots, vec = _tile_shape(args["BLOCK_V"], args["x_ptr"].element_size())
+    if not _vectors(args):
+        need = slots // 4
+    elif args["V"] > args["BLOCK_V"]:
+        need = triton.next_power_of_2(-(-(args["V"] % args["BLOCK_V"] + 15) // vec))
+    else:
+        need = slots
+    return min(slots, max(need, 32 * args.get("num_warps", 4)))
 
 
 def _words(args: dict) -> bool:
-    """bf16 rows on 16-byte vectors: full tiles are read as 32-bit words (`_load_tile`)."""
-    return args["x_ptr"].dtype == torch.bfloat16 and bool(args["ALIGNED"] or args["HEAD"])
+    """bf16 rows on 16-byte vectors: full tiles are read as 32-bit words (`_load_tile`). Only where the logits
+    start on 16 bytes (`_vectors`): ALIGNED strides alone leave a view like x[..., 1:] 2 bytes off, and a word read
+    there would be a misaligned access."""
+    return args["x_ptr"].dtype == torch.bfloat16 and _vectors(args)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -99,29 +119,58 @@ def _tile_offsets(SLOTS: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(p, o_b, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
-    """One full tile [SLOTS, VEC] in fp32, unmasked. WORDS (bf16 on 16-byte vectors): read as 32-bit words and
-    widened with one shift or mask per logit (bf16 is the top half of an fp32), which the plain conversion spends
-    more instructions on."""
+def _widen(b_w, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
+    """A tile as loaded, in fp32. WORDS (bf16 on 16-byte vectors, read as 32-bit words [SLOTS, VEC / 2]): widened
+    with one shift or mask per logit (bf16 is the top half of an fp32), which the plain conversion spends more
+    instructions on."""
     if WORDS:
-        o_w = tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
-        b_w = tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + o_w, eviction_policy=EVICT)
         b_lo = (b_w << 16).to(tl.float32, bitcast=True)  # the even logit of each pair
         b_hi = (b_w & -65536).to(tl.float32, bitcast=True)
         return tl.reshape(tl.join(b_lo, b_hi), [SLOTS, VEC])
     else:
-        return tl.load(p + o_b, eviction_policy=EVICT).to(tl.float32)
+        return b_w.to(tl.float32)
 
 
 @triton.jit
-def _tail_mask(o, r, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr):
-    """The positions of a tail tile (offsets `o`) before its end `r`: compared on the offsets where Triton can
-    prove the mask constant over each 16-byte vector (r a multiple of 16), in the separable form of `_is_before`
-    for a HEAD row (any r), which keeps the offsets out of registers."""
-    if HEAD:
-        return _is_before(r, SLOTS, VEC)
+def _load_tile(p, o_b, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
+    """One full tile [SLOTS, VEC] in fp32, unmasked; WORDS: as 32-bit words (`_widen`)."""
+    if WORDS:
+        o_w = tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        b_w = tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + o_w, eviction_policy=EVICT)
     else:
-        return o < r
+        b_w = tl.load(p + o_b, eviction_policy=EVICT)
+    return _widen(b_w, SLOTS, VEC, WORDS)
+
+
+@triton.jit
+def _load_tail(p, r, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr,
+               VECTORS: tl.constexpr):  # fmt: skip
+    """A row's ragged tail [0, r) from `p` as one tile [SLOTS, VEC], as loaded (`_tail_logits` makes it fp32 and
+    masks it). VECTORS (rows on 16-byte vectors): each vector that holds a tail logit is read whole, one instruction per
+    vector. The rest of such a vector lies in the same aligned 16 bytes, so on a page the tensor touches: a read
+    there cannot fault, whatever follows the row; what it holds at and past r is unspecified. Other rows are read
+    logit by logit, up to r (−inf past it)."""
+    if VECTORS:
+        m_v = (tl.arange(0, SLOTS) * VEC < r)[:, None]  # whole vectors: one predicate per slot
+        if WORDS:
+            o_w = tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+            return tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + o_w, mask=m_v, other=0,
+                           eviction_policy=EVICT)  # fmt: skip
+        else:
+            return tl.load(p + _tile_offsets(SLOTS, VEC), mask=m_v, other=0.0, eviction_policy=EVICT)
+    else:
+        o_b = _tile_offsets(SLOTS, VEC)
+        return tl.load(p + o_b, mask=o_b < r, other=float("-inf"), eviction_policy=EVICT)
+
+
+@triton.jit
+def _tail_logits(b_wt, r, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr, VECTORS: tl.constexpr):
+    """A tail tile of `_load_tail` in fp32, −inf at and past the row's end r (whatever a whole vector's read left
+    there; the scalar rows' masked loads give −inf there themselves)."""
+    if VECTORS:
+        return tl.where(_is_before(r, SLOTS, VEC), _widen(b_wt, SLOTS, VEC, WORDS), float("-inf"))
+    else:
+        return _widen(b_wt, SLOTS, VEC, WORDS)
 
 
 @triton.jit
@@ -177,18 +226,24 @@ def _row_scan(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
+    VECTORS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     EVICT: tl.constexpr,
     HEAD: tl.constexpr,
     WORDS: tl.constexpr,
+    TARGET_FIRST: tl.constexpr,
 ):
-    """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so) with z2 = (x − m)·log2(e)/τ (log2 units, <= 0),
-    e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2) and so = Σ_{v≠y} e (`_exact_logp`).
+    """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so, x_y) with z2 = (x − m)·log2(e)/τ (log2 units,
+    <= 0), e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2), so = Σ_{v≠y} e (`_exact_logp`)
+    and x_y the raw target logit in fp32. TARGET_FIRST: x_y is loaded before the scan (the id is in registers
+    already), else after it.
     The row is [shift, n) from the aligned base `p_a` (see `_row_index`), its target at y_a. Full tiles load
-    unmasked; the ragged tail is the last full tile, overlapping (`_tail_tile`), or goes in smaller masked tiles
-    after the loop (`_tail_slots`). `EVICT`: the L2 policy
+    unmasked; the ragged tail is the last full tile, overlapping (`_tail_tile`), or one masked tile
+    (`_load_tail`). `EVICT`: the L2 policy
     ("evict_last" when pass 2 re-reads the row right away)."""
     o_b = _tile_offsets(SLOTS, VEC)
+    if TARGET_FIRST:  # the id is in registers already: the target's load waits behind the scan, not in front of it
+        x_y = tl.load(p_a + y_a).to(tl.float32)
     b_m = tl.full([SLOTS], float("-inf"), tl.float32)
     b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its max
     b_t = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e·z2 of the slot
@@ -202,27 +257,31 @@ def _row_scan(
             b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, i * BLOCK_V, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True)
     else:
         # A HEAD row's first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >=
-        # its start) and drops them in `_scan_tile`.
+        # its start) and drops them in `_scan_tile`. The ragged tail [v_full, n) is one tile more, loaded before the
+        # loop and scanned after it, so that its load waits behind the whole loop, not in front of the row's end.
         v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, and the tail goes scalar
+        CHUNK: tl.constexpr = TAIL_SLOTS * VEC
+        if VECTORS:
+            b_wt = _load_tail(p_a + v_full, n - v_full, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
         for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
             b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
-        # The ragged tail in smaller masked tiles, into accumulators of their own shape (at most a tail tile of
-        # work is spent on padding).
-        CHUNK: tl.constexpr = TAIL_SLOTS * VEC
-        o_c = _tile_offsets(TAIL_SLOTS, VEC)
+        # into accumulators of the tail tile's own shape (TAIL_SLOTS slots), combined with the others below
         b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
         b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
         b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
-        for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-            m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
-            b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy=EVICT)
-            b_mc, b_sc, b_tc = _scan_tile(
-                b_xc.to(tl.float32), c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD
-            )
-    # The target's logit, read after the scan (the row is in cache): issued before the tile loop, its address
-    # waits on the id's load, and in-order issue holds the first tile's copies behind it.
-    x_y = tl.load(p_a + y_a).to(tl.float32)
+        if VECTORS:  # one tile covers the tail (`_tail_slots`)
+            b_xt = _tail_logits(b_wt, n - v_full, TAIL_SLOTS, VEC, WORDS, VECTORS)
+            b_mc, b_sc, b_tc = _scan_tile(b_xt, v_full, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD)
+        else:  # scalar rows: a load per logit, in chunks loaded after the loop (in registers across it they spill)
+            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+                b_wt = _load_tail(p_a + c0, n - c0, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
+                b_xt = _tail_logits(b_wt, n - c0, TAIL_SLOTS, VEC, WORDS, VECTORS)
+                b_mc, b_sc, b_tc = _scan_tile(b_xt, c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD)
+    if not TARGET_FIRST:
+        # The target's logit, read after the scan (the row is in cache): issued before the tile loop, its address
+        # would wait on the id's load, and in-order issue would hold the first tile's copies behind it.
+        x_y = tl.load(p_a + y_a).to(tl.float32)
     # The slots combined, once per row; the target joins the max here (its e is added back below).
     b_mr = tl.maximum(tl.max(b_m, 0), x_y)
     if TAIL_SLOTS > 0:
@@ -241,7 +300,7 @@ def _row_scan(
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
     b_t = b_to + b_ey * tl.where(b_ey > 0, b_zy, 0.0)
-    return b_mx, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s, b_so
+    return b_mx, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s, b_so, x_y
 
 
 @triton.jit
@@ -282,6 +341,7 @@ def _row_grad_store(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
+    VECTORS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     HEAD: tl.constexpr,
     WORDS: tl.constexpr,
@@ -295,10 +355,9 @@ def _row_grad_store(
     b_live = b_g != 0.0
     if HAS_ENT:
         b_live = b_live | (b_h != 0.0)
-    if TAIL_SLOTS > 0:  # the ragged tail in smaller tiles, as in `_row_scan`
+    if TAIL_SLOTS > 0:  # the ragged tail as in `_row_scan`: one tile loaded before the loop, or scalar chunks
         v_full = tl.multiple_of(n - n % BLOCK_V, BLOCK_V)  # stated: Triton 3.6 cannot tell, else scalar tails
         CHUNK: tl.constexpr = TAIL_SLOTS * VEC
-        o_c = _tile_offsets(TAIL_SLOTS, VEC)
     if b_live:
         b_hs = b_h * LN2 * inv_tau
         b_gn = b_hs * b_c2 - b_g * inv_tau
@@ -315,19 +374,24 @@ def _row_grad_store(
                 b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, i * BLOCK_V, SLOTS, VEC, True)
         else:
+            if VECTORS:
+                b_wt = _load_tail(p_a + v_full, n - v_full, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
                 b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
-            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-                m_c = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD)
-                b_xc = tl.load(p_a + c0 + o_c, mask=m_c, other=float("-inf"), eviction_policy="evict_first")
-                b_d = _grad_tile(
-                    b_xc.to(tl.float32), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, CHUNK, TAIL_SLOTS,
-                    VEC,
+            if VECTORS:
+                _tail_grad_store(
+                    b_wt, p_oa, v_full, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                    WORDS,
                 )  # fmt: skip
-                m_s = m_c & ~_is_before(shift - c0, TAIL_SLOTS, VEC)  # a HEAD row's head stays alone here too
-                tl.store(p_oa + c0 + o_c, b_d.to(p_oa.dtype.element_ty), mask=m_s, eviction_policy="evict_first")
+            else:
+                for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
+                    b_wt = _load_tail(p_a + c0, n - c0, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
+                    _tail_grad_store(
+                        b_wt, p_oa, c0, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                        WORDS,
+                    )  # fmt: skip
     else:
         b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
         if TAIL_SLOTS == 0:  # zeros over the overlap again: nothing else is written there
@@ -337,10 +401,26 @@ def _row_grad_store(
         else:
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=1):
                 _store_tile(p_oa + v0 + o_b, b_zero, v0, shift, SLOTS, VEC, HEAD)
-            b_zc = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
-            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
-                m_s = _tail_mask(o_c, n - c0, TAIL_SLOTS, VEC, HEAD) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
-                tl.store(p_oa + c0 + o_c, b_zc, mask=m_s, eviction_policy="evict_first")
+            b_zt = tl.zeros([TAIL_SLOTS, VEC], p_oa.dtype.element_ty)
+            for c0 in tl.range(v_full, n, CHUNK, num_stages=1):  # one trip on 16-byte vectors
+                m_t = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+                tl.store(p_oa + c0 + _tile_offsets(TAIL_SLOTS, VEC), b_zt, mask=m_t, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tail_grad_store(
+    b_wt, p_oa, c0, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr,
+):  # fmt: skip
+    """The gradient of a tail tile at c0 (as `_load_tail` loaded it), stored up to the row's end n, and not over
+    a HEAD row's head [0, shift)."""
+    b_d = _grad_tile(
+        _widen(b_wt, TAIL_SLOTS, VEC, WORDS), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS * VEC,
+        TAIL_SLOTS, VEC,
+    )  # fmt: skip
+    m_t = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
+    tl.store(p_oa + c0 + _tile_offsets(TAIL_SLOTS, VEC), b_d.to(p_oa.dtype.element_ty), mask=m_t,
+             eviction_policy="evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -353,6 +433,40 @@ def _store_tile(p, b, v0, shift, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: t
             tl.store(p, b, eviction_policy="evict_first")
     else:
         tl.store(p, b, eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_row_value(p, i_b, i_t, stride_b, stride_t, live):
+    return tl.load(p + i_b * stride_b + i_t * stride_t, mask=live, other=0).to(tl.float32)
+
+
+@triton.jit
+def _load_row_inputs(
+    i_r, N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt, stride_ab, stride_at,
+    stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft, stride_rhob, stride_rhot, stride_hwb,
+    stride_hwt, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_RATIO: tl.constexpr, HAS_ENT: tl.constexpr,
+):  # fmt: skip
+    """The fused kernel's inputs of row i_r: the target id (int32) and the per-token values in fp32 (advantage,
+    weight, ℓ_old, ℓ_ref, ρ, entropy weight; the defaults where a flag is off); zeros for a row past the last."""
+    i_b = tl.cast(i_r, tl.int64) // T
+    i_t = tl.cast(i_r, tl.int64) % T
+    live = i_r < N
+    y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt, mask=live, other=0).to(tl.int32)
+    b_adv = _load_row_value(adv_ptr, i_b, i_t, stride_ab, stride_at, live)
+    b_w = _load_row_value(w_ptr, i_b, i_t, stride_wb, stride_wt, live)
+    b_old = 0.0
+    if HAS_OLD:
+        b_old = _load_row_value(old_ptr, i_b, i_t, stride_oldb, stride_oldt, live)
+    b_lref = 0.0
+    if HAS_REF:
+        b_lref = _load_row_value(ref_ptr, i_b, i_t, stride_refb, stride_reft, live)
+    b_rho = 1.0
+    if HAS_RATIO:
+        b_rho = _load_row_value(rho_ptr, i_b, i_t, stride_rhob, stride_rhot, live)
+    b_h = 0.0
+    if HAS_ENT:
+        b_h = _load_row_value(hw_ptr, i_b, i_t, stride_hwb, stride_hwt, live)
+    return y, b_adv, b_w, b_old, b_lref, b_rho, b_h
 
 
 @triton.jit
@@ -403,6 +517,7 @@ def row_stats_fwd_kernel(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
+    VECTORS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -416,7 +531,7 @@ def row_stats_fwd_kernel(
             shift = (o_x % 16).to(tl.int32)  # int32: the row's indices and masks stay 32-bit
             o_a = tl.multiple_of(o_x - shift, 16)
         y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        b_mx, b_log2s, _, b_q, b_c2, b_so = _row_scan(
+        b_mx, b_log2s, _, b_q, b_c2, b_so, x_y = _row_scan(
             x_ptr + o_a,
             y + shift,
             V + shift,
@@ -426,12 +541,14 @@ def row_stats_fwd_kernel(
             SLOTS,
             VEC,
             TAIL_SLOTS,
+            VECTORS,
             NUM_STAGES,
             "evict_first",
             HEAD,
             WORDS,
+            False,
         )  # read once
-        tl.store(logp_ptr + i_row, _exact_logp(x_ptr + o_x, y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
+        tl.store(logp_ptr + i_row, _exact_logp(x_y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         p_s = state_ptr + i_row * 4
         tl.store(p_s, b_mx)
@@ -487,6 +604,7 @@ def row_grad_kernel(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
+    VECTORS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -520,7 +638,7 @@ def row_grad_kernel(
             b_zy = (b_xy - b_mx) * k2
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
-            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD, WORDS,
+            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
         )  # fmt: skip
 
 
@@ -555,6 +673,7 @@ def shard_partials_fwd_kernel(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
+    VECTORS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -572,7 +691,7 @@ def shard_partials_fwd_kernel(
         # A target outside the shard: scan with column 0 as a stand-in target. The scan's max, Σe and Σp·z2 cover
         # every column either way; only its ℓ and 1 − p_y refer to the target, and those are not used then.
         y_in = tl.where(inside, y, 0).to(tl.int32)
-        b_mx, b_log2s, _, b_q, b_c2, _ = _row_scan(
+        b_mx, b_log2s, _, b_q, b_c2, _, x_y = _row_scan(
             x_ptr + o_a,
             y_in + shift,
             V + shift,
@@ -582,10 +701,12 @@ def shard_partials_fwd_kernel(
             SLOTS,
             VEC,
             TAIL_SLOTS,
+            VECTORS,
             NUM_STAGES,
             "evict_first",
             HEAD,
             WORDS,
+            False,
         )  # read once
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
@@ -593,35 +714,34 @@ def shard_partials_fwd_kernel(
         tl.store(p_p, tl.where(b_live, b_mx, float("-inf")))
         tl.store(p_p + 1, b_s)
         tl.store(p_p + 2, tl.where(b_live, b_s * b_c2 * LN2, 0.0))  # Σ e·z', z' = (x − m)/τ
-        x_y = tl.load(x_ptr + o_x + y_in).to(tl.float32)
         tl.store(p_p + 3, tl.where(inside, x_y, float("-inf")))
         tl.store(p_p + 4, tl.where(inside, tl.where(b_live, b_q * b_s, 0.0), b_s))  # Σ_{v≠y} e
 
 
 @triton.jit
-def _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo):
-    """z'_y = (x_y − m)/τ in fp64 from the raw target logit (one scalar load, the row is in cache)."""
-    b_xy = tl.load(p_x + y).to(tl.float64)
+def _target_z64(x_y, b_mx, inv_tau, inv_tau_lo):
+    """z'_y = (x_y − m)/τ in fp64 from the raw target logit (`_row_scan`'s, fp32: exact for every logits dtype)."""
+    b_xy = x_y.to(tl.float64)
     b_inv = tl.cast(inv_tau, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
     return (b_xy - tl.cast(b_mx, tl.float64)) * b_inv
 
 
 @triton.jit
-def _exact_logp(p_x, y, b_mx, b_so, inv_tau, inv_tau_lo):
+def _exact_logp(x_y, b_mx, b_so, inv_tau, inv_tau_lo):
     """ℓ in fp64 (ops/backend.py, "ℓ in float64"): z'_y = (x_y − m)/τ and e_y = exp(z'_y) from the raw target logit
-    (one scalar load, the row is in cache) and the raw max m, then ℓ = z'_y − log(Σ_{v≠y} e + e_y). Exact to the
+    and the raw max m, then ℓ = z'_y − log(Σ_{v≠y} e + e_y). Exact to the
     rounding of the fp32 sum `b_so` of the other tokens (a few 1e-8 absolute) for any |ℓ|; near ℓ = 0 (a peaked row)
     the fp64 log keeps 1e-16 absolute. 1/τ = inv_tau + inv_tau_lo."""
-    b_zy = _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo)
+    b_zy = _target_z64(x_y, b_mx, inv_tau, inv_tau_lo)
     return b_zy - tl.log(tl.cast(b_so, tl.float64) + tl.exp(b_zy))
 
 
 @triton.jit
-def _exact_logp_from_log2s(p_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo):
+def _exact_logp_from_log2s(x_y, b_mx, b_log2s, inv_tau, inv_tau_lo):
     """The fused kernel's ℓ in fp64: (x_y − m)/τ − s with s = ln 2 · log2 Σe taken from its fp32 value, so exact to
     s's fp32 rounding (about 5e-7 absolute at s ≈ 10) for any |ℓ|. `_exact_logp`'s fp64 exp and log would cost the
     8-warp fused kernel (V <= 32768) 8 bytes of spills at its 80-register cap on sm_90a."""
-    b_zy = _target_z64(p_x, y, b_mx, inv_tau, inv_tau_lo)
+    b_zy = _target_z64(x_y, b_mx, inv_tau, inv_tau_lo)
     return b_zy - tl.cast(b_log2s, tl.float64) * 0.6931471805599453
 
 
@@ -763,9 +883,29 @@ def fused_token_grad_fwd_kernel(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
+    VECTORS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # Each row's id and per-token inputs are loaded a row ahead, just before the previous row's pass 2, where
+    # nothing waits on a load (in the SASS the first use of a load waits for every load issued before it), so
+    # that no load waits at the row's start, in front of its first tile copies: the target's address and load
+    # (`_row_scan`'s TARGET_FIRST) use an id already in registers.
+    # (On 16-byte vectors: the scalar rows' plan has no registers to carry them across a row, nor copies to hold.)
+    if VECTORS:
+        y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_row_inputs(
+            tl.program_id(0), N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt,
+            stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft,
+            stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+        )  # fmt: skip
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
+        if VECTORS:
+            y, b_adv, b_w, b_old, b_lref, b_rho, b_h = y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n
+        else:
+            y, b_adv, b_w, b_old, b_lref, b_rho, b_h = _load_row_inputs(
+                i_r, N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt,
+                stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft,
+                stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+            )  # fmt: skip
         i_row, i_b, i_t = _row_index(i_r, T)
         o_x = i_b * stride_xb + i_t * stride_xt  # here, not in a helper: Triton 3.6 drops a hint on a call's result
         shift = 0
@@ -780,24 +920,7 @@ def fused_token_grad_fwd_kernel(
             o_oa = tl.multiple_of(o_oa, 16)
         if HEAD:
             o_oa = tl.multiple_of(o_oa - shift, 16)
-        y = tl.load(y_ptr + i_b * stride_yb + i_t * stride_yt).to(tl.int32)
-        # The per-token inputs are loaded before pass 1, so their latency hides behind it.
-        b_adv = _load_bt(adv_ptr, i_b, i_t, stride_ab, stride_at)
-        b_w = _load_bt(w_ptr, i_b, i_t, stride_wb, stride_wt)
-        b_old = 0.0
-        if HAS_OLD:
-            b_old = _load_bt(old_ptr, i_b, i_t, stride_oldb, stride_oldt)
-        b_lref = 0.0
-        if HAS_REF:
-            b_lref = _load_bt(ref_ptr, i_b, i_t, stride_refb, stride_reft)
-        b_rho = 1.0
-        if HAS_RATIO:
-            b_rho = _load_bt(rho_ptr, i_b, i_t, stride_rhob, stride_rhot)
-        b_h = 0.0
-        if HAS_ENT:
-            b_h = _load_bt(hw_ptr, i_b, i_t, stride_hwb, stride_hwt)
-
-        b_mx, b_log2s, b_zy, b_q, b_c2, _ = _row_scan(
+        b_mx, b_log2s, b_zy, b_q, b_c2, _, x_y = _row_scan(
             x_ptr + o_a,
             y + shift,
             V + shift,
@@ -807,12 +930,14 @@ def fused_token_grad_fwd_kernel(
             SLOTS,
             VEC,
             TAIL_SLOTS,
+            VECTORS,
             NUM_STAGES,
             "evict_last",
             HEAD,
             WORDS,
+            VECTORS,  # TARGET_FIRST (the scalar rows' plan has no register to spare across the scan)
         )  # pass 2 re-reads the row from L2
-        b_lp = _exact_logp_from_log2s(x_ptr + o_x, y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
+        b_lp = _exact_logp_from_log2s(x_y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         if not HAS_OLD:
@@ -821,9 +946,15 @@ def fused_token_grad_fwd_kernel(
             b_lp, b_adv, b_old, b_lref, b_rho, b_w, lo, hi, delta, eps_high, beta, sapo_pos, sapo_neg,
             LOSS, HAS_REF, HAS_RATIO, HAS_DELTA, BIAS_KL,
         )  # fmt: skip
+        if VECTORS:
+            y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_row_inputs(
+                i_r + tl.num_programs(0), N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb,
+                stride_yt, stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb,
+                stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
+            )  # fmt: skip
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
-            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, NUM_STAGES, HEAD, WORDS,
+            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
         )  # fmt: skip
 
 

@@ -49,6 +49,8 @@ def make_logits(values: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.
         x = torch.full((batch, length + 3, vocab), NAN, dtype=dtype, device=DEVICE)[:, :length]
     elif layout == "row_pad":  # time stride V + 5: rows not 16-element aligned (the unaligned kernel variant)
         x = torch.full((batch, length, vocab + 5), NAN, dtype=dtype, device=DEVICE)[..., :vocab]
+    elif layout == "vocab_offset":  # row strides of whole 16-element blocks, the logits 1 element past 16 bytes
+        x = torch.full((batch, length, vocab + 16), NAN, dtype=dtype, device=DEVICE)[..., 1 : vocab + 1]
     elif layout == "transposed":  # a (T, B, V) buffer seen as (B, T, V)
         x = torch.full((length, batch, vocab), NAN, dtype=dtype, device=DEVICE).transpose(0, 1)
     else:
@@ -207,7 +209,7 @@ def test_rows_two_tiles(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["time_slice", "batch_pad", "row_pad", "transposed"])
+@pytest.mark.parametrize("layout", ["time_slice", "batch_pad", "row_pad", "vocab_offset", "transposed"])
 def test_rows_strided_views(dtype, layout):
     gen = torch.Generator().manual_seed(2)
     batch, length, vocab = 2, 3, 48
@@ -219,6 +221,18 @@ def test_rows_strided_views(dtype, layout):
     run_rows(x, ids, 0.9, g, h, out=out)
     base = out._base if out._base is not None else out
     assert int(torch.isnan(base).sum()) == base.numel() - out.numel(), "wrote outside the output view"
+
+
+def test_whole_vector_reads_need_logits_on_16_bytes():
+    """Word reads of bf16 (WORDS) and the tail tile's whole-vector reads (VECTORS) only where the logits start on
+    16 bytes: a view like x[..., 1:] has row strides of whole 16-element blocks (ALIGNED) but starts 2 bytes off,
+    where a 32-bit read would be a misaligned access on a GPU (the interpreter would not notice)."""
+    base = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
+    for view, expected in ((base[..., :48], True), (base[..., 1:49], False)):
+        args = {"x_ptr": view, "V": 48, "BLOCK_V": 64, "num_warps": 1,
+                "ALIGNED": triton_logits._aligned(view.stride(0), view.stride(1)), "HEAD": False}  # fmt: skip
+        assert args["ALIGNED"]
+        assert triton_logits._words(args) is expected and triton_logits._vectors(args) is expected
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
