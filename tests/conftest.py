@@ -90,3 +90,14 @@ def nan_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="session")
+def aot_cache(tmp_path_factory):
+    """The folder of sm_90a/sm_100a compile results (tests/ops/hopper_aot.py's CompileCache) for this test run, one
+    for all xdist workers (their temporary folders share a parent): a specialization that test_hopper_compile.py
+    and test_performance_model.py both compile is compiled once."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return root / "aot-compile-cache"

@@ -99,11 +99,13 @@ def _require_aot(site: str | None) -> None:
 
 
 @pytest.mark.parametrize("site", triton_sites(), ids=site_id)
-def test_hopper_compile_registers_and_spills(site):
-    """One test per Triton (not three) so that pytest-xdist does not compile the whole set once per worker."""
+def test_hopper_compile_registers_and_spills(site, aot_cache):
+    """One test per Triton (not three) so that pytest-xdist does not compile the whole set once per worker. The
+    specializations test_performance_model.py compiles too (same Triton, kernel, launch plan and flags) come from
+    the run's compile cache (`aot_cache`) when it has compiled them first, and the other way round."""
     _require_aot(site)
     configs = _configs()
-    rows = hopper_aot.compile_rows(configs, site)
+    rows = hopper_aot.compile_rows(configs, site, cache=aot_cache)
     print_table(rows)
     assert len(rows) == len(configs)
     spilled = [(r["label"], r["dtype"], r["vocab"], r["regs"], r["spill_stores"], r["spill_loads"]) for r in rows

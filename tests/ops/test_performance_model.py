@@ -356,12 +356,13 @@ def test_in_flight_target_follows_littles_law():
 
 
 @pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~1 min per Triton on a quiet 2-core machine
-def model(request) -> list[dict]:
+def model(request, aot_cache) -> list[dict]:
     site = request.param
     _require_aot(site)
     compiles, rows = configs_for(site)
     by_plan = {}
-    for cfg, compiled in zip(compiles, hopper_aot.compile_rows(compiles, site, sass=True), strict=True):
+    results = hopper_aot.compile_rows(compiles, site, sass=True, cache=aot_cache)
+    for cfg, compiled in zip(compiles, results, strict=True):
         by_plan[_plan(cfg["kernel"], cfg["dtype"], cfg["vocab"], cfg["l2_bytes"], cfg["grid"], cfg["flags"])] = compiled
     out = [predict(row, by_plan[row["plan"]]) for row in rows]
     for m in out:  # which grid the default is, for the table
@@ -557,7 +558,7 @@ B200 = {"sms": 148, "clock": 1.755e9, "copy": 8.0e12 * 4.3 / 4.8}
 
 
 @pytest.fixture(scope="module")
-def blackwell() -> list[dict]:
+def blackwell(aot_cache) -> list[dict]:
     _require_aot(None)
     import triton
 
@@ -572,7 +573,8 @@ def blackwell() -> list[dict]:
             compiles[r["plan"]] = hopper_aot.config(r["label"], r["kernel"], r["dtype"], r["vocab"], flags,
                                                     l2_bytes=r["l2"], arch=100)  # fmt: skip
     plans = list(compiles)
-    compiled = dict(zip(plans, hopper_aot.compile_rows([compiles[p] for p in plans], None, sass=True), strict=True))
+    compiled = hopper_aot.compile_rows([compiles[p] for p in plans], None, sass=True, cache=aot_cache)
+    compiled = dict(zip(plans, compiled, strict=True))
     out = [{**predict({**r, "device": "B200"}, compiled[r["plan"]], **B200), "ptxas": compiled[r["plan"]]["ptxas"]}
            for r in rows]  # fmt: skip
     print(f"\nB200 (sm_100a, {out[0]['ptxas']}), assumed: {B200['sms']} SMs, {B200['clock'] / 1e9:.3f} GHz, copy rate "
