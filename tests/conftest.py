@@ -73,6 +73,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None and not ON_GPU:  # not keywords: a folder named gpu is one
             item.add_marker(skip_gpu)
+    # The `slow` tests first (otherwise in collection order): under pytest-xdist each worker takes the next test
+    # when it is nearly idle, so the long ones start early and the workers end together on short ones.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# pytest-xdist: `-n N` alone (the README's test command) distributes with --dist loadgroup rather than xdist's
+# default, load: each test is sent to the worker that is nearly idle, and the tests of an `xdist_group` (those that
+# share an expensive module fixture, such as the performance model's compile) go to one worker together. Not an
+# addopts entry: `--dist` is unknown where xdist is disabled (`-p no:xdist`). An explicit --dist is kept.
+
+
+def pytest_configure(config):
+    explicit = any(arg == "-d" or arg.startswith("--dist") for arg in map(str, config.invocation_params.args))
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("dist") == "loadgroup":  # a worker: tag each test with its group
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["dist"] = node.config.option.dist
 
 
 @pytest.fixture

@@ -98,6 +98,7 @@ def _require_aot(site: str | None) -> None:
         raise AssertionError(f"{SITES_VARIABLE} names {site}, which holds no triton package")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", triton_sites(), ids=site_id)
 def test_hopper_compile_registers_and_spills(site, aot_cache):
     """One test per Triton (not three) so that pytest-xdist does not compile the whole set once per worker. The

@@ -355,7 +355,14 @@ def test_in_flight_target_follows_littles_law():
     assert 1.3 * needed <= triton_logits.IN_FLIGHT_PER_SM <= 2 * needed
 
 
-@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~1 min per Triton on a quiet 2-core machine
+def _model_params() -> list:
+    """One per Triton; its tests run on one xdist worker (one group) so that the fixture is computed once, and
+    among the first (slow)."""
+    return [pytest.param(site, marks=[pytest.mark.slow, pytest.mark.xdist_group(f"performance-model-{site_id(site)}")])
+            for site in modern_sites()]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=_model_params(), ids=site_id)  # ~1 min per Triton on a quiet 2-core machine
 def model(request, aot_cache) -> list[dict]:
     site = request.param
     _require_aot(site)
@@ -583,6 +590,7 @@ def blackwell(aot_cache) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_blackwell_compile(blackwell):
     """sm_100a with Triton's Blackwell ptxas: 0 spills in every plan; the rows whose MUFU bound is below the B200
     copy rate are printed (Blackwell kept 16 exp2/clk/SM while its bandwidth nearly doubled)."""
