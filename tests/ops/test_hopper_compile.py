@@ -124,3 +124,21 @@ def test_ci_tests_the_oldest_triton():
     if not os.environ.get("CI"):
         pytest.skip("outside CI the extra Triton folders are optional")
     assert len(triton_sites()) > 1, f"CI runs without {SITES_VARIABLE}: .ci/run installs the older Tritons"
+
+
+def test_compile_cache_entries_are_whole_and_locked_one_holder_at_a_time(tmp_path):
+    """The compile cache the AOT tests share: an entry reads back as written (written whole: no temporary file
+    left beside it), a missing one is None, and while one holder has a key's lock another that will not wait is
+    told so (False) instead of compiling the same specialization again."""
+    cache = hopper_aot.CompileCache(tmp_path / "cache")
+    assert cache.load("k", sass=False) is None
+    entry = {"regs": 40, "spill_stores": 0, "spill_loads": 0, "sass_code": [[0, "EXIT", 0]], "sass_loops": []}
+    cache.store("k", entry, b"\x7fELF")
+    assert cache.load("k", sass=True) == entry  # it has its SASS: nothing to disassemble
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["k.cubin", "k.json"]
+    with cache.lock("k", wait=False) as held:
+        assert held
+        with cache.lock("k", wait=False) as other:  # another open of the lock file: another holder
+            assert not other
+    with cache.lock("k", wait=False) as again:  # released
+        assert again
