@@ -68,33 +68,26 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameters), which the sort keeps
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason=GPU_REASON)
     for item in items:
         if item.get_closest_marker("gpu") is not None and not ON_GPU:  # not keywords: a folder named gpu is one
             item.add_marker(skip_gpu)
     # The `slow` tests first (otherwise in collection order): under pytest-xdist each worker takes the next test
-    # when it is nearly idle, so the long ones start early and the workers end together on short ones.
+    # when it is nearly idle (below), so the long ones start early and the workers end together on short ones.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-# pytest-xdist: `-n N` alone (the README's test command) distributes with --dist loadgroup rather than xdist's
-# default, load: each test is sent to the worker that is nearly idle, and the tests of an `xdist_group` (those that
-# share an expensive module fixture, such as the performance model's compile) go to one worker together. Not an
-# addopts entry: `--dist` is unknown where xdist is disabled (`-p no:xdist`). An explicit --dist is kept.
-
-
 def pytest_configure(config):
+    """pytest-xdist: `-n N` alone (the README's test command) schedules with --dist loadgroup rather than xdist's
+    default, load, which deals out a quarter of the tests round-robin before it looks at which worker is idle;
+    loadgroup hands each test to a worker that has at most two left. (Its grouping by `xdist_group` is not used:
+    with pytest 9.2 it does not group, pytest-xdist#1386.) Not an addopts entry: `--dist` is an unknown option
+    where xdist is disabled (`-p no:xdist`). An explicit --dist is kept."""
     explicit = any(arg == "-d" or arg.startswith("--dist") for arg in map(str, config.invocation_params.args))
     if getattr(config.option, "dist", "no") == "load" and not explicit:
         config.option.dist = "loadgroup"
-    if getattr(config, "workerinput", {}).get("dist") == "loadgroup":  # a worker: tag each test with its group
-        config.option.loadgroup = True
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    node.workerinput["dist"] = node.config.option.dist
 
 
 @pytest.fixture

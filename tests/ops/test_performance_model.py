@@ -339,6 +339,7 @@ def _misses(model: list[dict]) -> tuple[list, list]:
     return below, above
 
 
+@pytest.mark.slow  # the first test of `model`: it computes the model, so it starts first
 def test_every_row_meets_the_copy_rate(model):
     """Everything a row costs (tests/ops/sass_model.py: every SASS instruction of the row at its trips, the pipe
     bounds, the timeline of waits, the resident CTAs' overlap, pass 2's L2 misses), at the pessimistic end of the
@@ -355,17 +356,21 @@ def test_in_flight_target_follows_littles_law():
     assert 1.3 * needed <= triton_logits.IN_FLIGHT_PER_SM <= 2 * needed
 
 
-def _model_params() -> list:
-    """One per Triton; its tests run on one xdist worker (one group) so that the fixture is computed once, and
-    among the first (slow)."""
-    return [pytest.param(site, marks=[pytest.mark.slow, pytest.mark.xdist_group(f"performance-model-{site_id(site)}")])
-            for site in modern_sites()]  # fmt: skip
-
-
-@pytest.fixture(scope="module", params=_model_params(), ids=site_id)  # ~1 min per Triton on a quiet 2-core machine
+@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~40 s per Triton on a quiet 2-core machine
 def model(request, aot_cache) -> list[dict]:
+    """The model of every row on one Triton, computed once per test run: the xdist worker that comes second, or a
+    later setup of this fixture, reads it back from the run's cache (test_every_row_meets_the_copy_rate, marked
+    slow, starts first; tests/conftest.py)."""
     site = request.param
     _require_aot(site)
+    out = hopper_aot.computed_once(aot_cache, f"performance-model-{site_id(site)}", lambda: _model(site, aot_cache))
+    for device, _, _ in DEVICES:
+        print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
+        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")
+    return out
+
+
+def _model(site: str | None, aot_cache: Path) -> list[dict]:
     compiles, rows = configs_for(site)
     by_plan = {}
     results = hopper_aot.compile_rows(compiles, site, sass=True, cache=aot_cache)
@@ -377,9 +382,6 @@ def model(request, aot_cache) -> list[dict]:
             same = [o for o in out if o["kernel"] == FUSED and o["device"] == m["device"] and o["dtype"] == m["dtype"]
                     and o["vocab"] == m["vocab"] and o["grid_mode"] == "l2"]  # fmt: skip
             m["grid_name"] = "l2" if same and same[0]["grid"] == m["grid"] else "sms"
-    for device, _, _ in DEVICES:
-        print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
-        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")
     return out
 
 

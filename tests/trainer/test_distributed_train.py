@@ -38,8 +38,6 @@ STEPS = 3
 # The run the accelerate and resume tests compare with: 2 micro-batches per step, so no_sync is exercised too
 GRPO = {"loss_type": "grpo", "gradient_accumulation_steps": 2}
 pytestmark = pytest.mark.slow  # each test starts 2 or 3 processes
-# The tests of `trained` run on one pytest-xdist worker, which makes each of its runs once.
-TRAINED_GROUP = pytest.mark.xdist_group("trainer-torchrun-runs")
 
 
 def free_port() -> int:
@@ -146,7 +144,6 @@ def trained(model_dir, dataset_file, tmp_path_factory):
 
 
 # grpo with 2 micro-batches per step: DDP accumulates the first under no_sync and all-reduces once, at the second
-@TRAINED_GROUP
 @pytest.mark.parametrize(
     "options",
     [GRPO, {"loss_type": "dapo", "gradient_accumulation_steps": 1}],
@@ -201,7 +198,6 @@ def test_a_bad_row_under_torchrun_is_one_line_from_rank_0_and_every_rank_exits_w
     assert not (tmp_path / "run").exists()  # stopped before the output folder was made
 
 
-@TRAINED_GROUP
 def test_accelerate_launch_trains_the_adapter_of_torchrun(trained):
     """`accelerate launch --multi_gpu --num_processes 2` (accelerate's torchrun launcher; on a CPU it starts gloo
     processes, where `--cpu` would start one process) runs the same data-parallel job as torchrun: the same 2
@@ -216,7 +212,6 @@ def test_accelerate_launch_trains_the_adapter_of_torchrun(trained):
     assert metrics(launched) == metrics(reference)
 
 
-@TRAINED_GROUP
 def test_a_resumed_two_process_run_trains_the_uninterrupted_adapter(trained, model_dir, dataset_file, tmp_path):
     """A finished 2-process torchrun run, cut back to its step-2 checkpoint as a kill during step 3 leaves it (the
     step-3 checkpoint, the adapter and the last record gone), is resumed by the same torchrun command with --resume.

@@ -318,10 +318,6 @@ def test_call_reward_checks_what_a_reward_returns():
 # Preemption: Ctrl-C and SIGTERM
 
 
-# The tests of `straight` run on one pytest-xdist worker, which makes the run once.
-STRAIGHT_GROUP = pytest.mark.xdist_group("trainer-straight-run")
-
-
 @pytest.fixture(scope="module")
 def straight(model_dir, dataset_file, tmp_path_factory):
     """The uninterrupted 4-step run the stopped and resumed ones must reproduce (no checkpoints but the last)."""
@@ -344,7 +340,6 @@ def same_run(a: Path, b: Path) -> None:
     assert (a / "completions.jsonl").read_text() == (b / "completions.jsonl").read_text()
 
 
-@STRAIGHT_GROUP
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_says_so_at_once_finishes_the_step_saves_it_and_resume_continues_bit_for_bit(
     signum, straight, model_dir, dataset_file, tmp_path, capfd, monkeypatch
@@ -373,7 +368,6 @@ def test_a_signal_says_so_at_once_finishes_the_step_saves_it_and_resume_continue
         same_run(tmp_path, straight)
 
 
-@STRAIGHT_GROUP
 def test_a_second_signal_stops_at_once_and_leaves_the_last_checkpoint_whole(
     straight, model_dir, dataset_file, tmp_path, capfd, monkeypatch
 ):
