@@ -234,7 +234,6 @@ def test_carried_wheels_install_only_what_is_missing(tmp_path):
     assert not (site / "pytest").exists()
 
 
-@pytest.mark.slow
 @needs_interpreter
 def test_gpu_check_dry_run(tmp_path):
     """`gpu_check.py --dry-run`: every phase, in order, on the CPU under the Triton interpreter, every contender of
