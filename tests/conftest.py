@@ -68,11 +68,26 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameters), which the sort keeps
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason=GPU_REASON)
     for item in items:
         if item.get_closest_marker("gpu") is not None and not ON_GPU:  # not keywords: a folder named gpu is one
             item.add_marker(skip_gpu)
+    # The `slow` tests first (otherwise in collection order): under pytest-xdist each worker takes the next test
+    # when it is nearly idle (below), so the long ones start early and the workers end together on short ones.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_configure(config):
+    """pytest-xdist: `-n N` alone (the README's test command) schedules with --dist loadgroup rather than xdist's
+    default, load, which deals out a quarter of the tests round-robin before it looks at which worker is idle;
+    loadgroup hands each test to a worker that has at most two left. (Its grouping by `xdist_group` is not used:
+    with pytest 9.2 it does not group, pytest-xdist#1386.) Not an addopts entry: `--dist` is an unknown option
+    where xdist is disabled (`-p no:xdist`). An explicit --dist is kept."""
+    explicit = any(arg == "-d" or arg.startswith("--dist") for arg in map(str, config.invocation_params.args))
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "loadgroup"
 
 
 @pytest.fixture
@@ -90,3 +105,14 @@ def nan_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="session")
+def aot_cache(tmp_path_factory):
+    """The folder of sm_90a/sm_100a compile results (tests/ops/hopper_aot.py's CompileCache) for this test run, one
+    for all xdist workers (their temporary folders share a parent): a specialization that test_hopper_compile.py
+    and test_performance_model.py both compile is compiled once."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return root / "aot-compile-cache"

@@ -52,6 +52,7 @@ def samples() -> list[dict]:
 EXPECTED = [1.0] * len(PROBLEMS) + [0.0] * (len(PROBLEMS) + len(RIGGED))
 
 
+@pytest.mark.slow
 def test_humaneval_canonical_solutions_as_the_caller():
     batch = samples()
     rewards = code_reward(
@@ -65,6 +66,7 @@ def test_humaneval_canonical_solutions_as_the_caller():
     assert wrong == [] and rewards == EXPECTED
 
 
+@pytest.mark.slow
 def test_humaneval_canonical_solutions_as_nobody():
     if not sandbox_attacks.can_become_nobody():
         pytest.skip("needs root, setpriv and a system python3 to become an unprivileged user")

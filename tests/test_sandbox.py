@@ -759,6 +759,7 @@ def test_stdin_and_stdout_at_any_scale(who):
     assert [m.split(" is ")[0] for m in got["refused"]] == ["cases[0]'s input", "cases[0]'s expected output", "stdin"]
 
 
+@pytest.mark.slow
 def test_any_number_of_cases():
     # the init that runs the cases spends none of the cases' limits (it once died after ~1.5k at time_limit=1). As
     # root and as nobody at once, each on a core of its own where there are two: 3000 cases cost some 15 s a run.

@@ -55,6 +55,7 @@ def _check_rank(rank: int, model_dir: str, out: str) -> list[str]:
     return verdicts
 
 
+@pytest.mark.slow
 def test_two_processes_match_trl(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_dp"))
     for rank, per_case in enumerate(run_ranks(_check_rank, model_dir, WORLD)):

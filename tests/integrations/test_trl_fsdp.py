@@ -80,6 +80,7 @@ def _check_rank(rank: int, model_dir: str, out: str) -> list[str]:
     return verdicts
 
 
+@pytest.mark.slow
 def test_fused_linear_on_an_fsdp2_sharded_model_matches_trl(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_fsdp"))
     for rank, per_case in enumerate(run_ranks(_check_rank, model_dir, WORLD)):

@@ -18,15 +18,20 @@ Loads in flight, per thread, of each innermost loop of the PTX (a loop is a bran
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import importlib
 import io
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 try:
     from . import sass_model
@@ -75,14 +80,17 @@ def main_configs(vocab: int, dtype: str) -> list[dict]:
     ]
 
 
-def compile_rows(configs: list[dict], site: str | None = None, sass: bool = False) -> list[dict]:
+def compile_rows(
+    configs: list[dict], site: str | None = None, sass: bool = False, cache: Path | None = None
+) -> list[dict]:
     """Compile `configs` in a subprocess (Triton from `site` when given); one result dict per config. `sass`: also
-    disassemble each cubin and count the instructions of its tile loops (`sass_loops`)."""
+    disassemble each cubin and count the instructions of its tile loops (`sass_loops`). `cache`: a folder of
+    compile results (`CompileCache`) to read each specialization from, or to add it to; None compiles all."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, __file__],
-        input=json.dumps({"configs": configs, "sass": sass}),
+        input=json.dumps({"configs": configs, "sass": sass, "cache": str(cache) if cache else None}),
         check=False,
         capture_output=True,
         text=True,
@@ -227,11 +235,9 @@ def _ptxas_name(arch: int = 90) -> str:
     return Path(tool.path).name
 
 
-def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
+def _specialize(cfg: dict) -> dict:
+    """What `triton.compile` gets for `cfg` (the launch plan the kernels' heuristics pick), before any compile."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     module = importlib.import_module(f"grpo_kernels.ops.{cfg['module']}")
     kernel = getattr(module, cfg["kernel"])
@@ -297,38 +303,35 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
         # fused-linear tiles' row strides (multiples of 256 columns) too.
         if signature[name].startswith("*") or (name == "V" and vocab % 16 == 0) or name in ("stride_z", "stride_dz"):
             attrs[(i,)] = [["tt.divisibility", 16]]
+    plan = {"block_v": block_v, "num_warps": num_warps, "num_stages": constexprs.get("NUM_STAGES", 1),
+            "tail_slots": constexprs.get("TAIL_SLOTS"), "maxnreg": options.get("maxnreg")}  # fmt: skip
+    return {"jit": jit, "signature": signature, "constexprs": constexprs, "attrs": attrs, "options": options,
+            "arch": cfg.get("arch", 90), "plan": plan, "name": f"{cfg['module']}.{cfg['kernel']}"}  # fmt: skip
+
+
+def _assemble(spec: dict, seen: dict) -> tuple[dict, bytes]:
+    """Compile one specialization: (what the tests read off the compile, the cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG: make_cubin prints ptxas' -v log
         compiled = triton.compile(
-            ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", cfg.get("arch", 90), 32),
-            options=options,
+            ASTSource(fn=spec["jit"], signature=spec["signature"], constexprs=spec["constexprs"], attrs=spec["attrs"]),
+            target=GPUTarget("cuda", spec["arch"], 32),
+            options=spec["options"],
         )
     key = compiled.hash
     if key not in seen:  # the same specialization again (V is not a constexpr): a cache hit prints no log
         seen[key] = ptxas_report(log.getvalue())
     regs, spill_st, spill_ld = seen[key]
     ptx = compiled.asm["ptx"]
+    threads = 32 * spec["plan"]["num_warps"]
     loops = [loop_loads_in_flight(body) for body in innermost_loops(ptx)]
-    sass_loops = sass_code = None
-    if sass:
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "k.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-            dump = subprocess.run([str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True, text=True)
-            sass_loops = sass_tile_loops(dump.stdout)
-            sass_code = sass_model.compact(sass_model.parse_sass(dump.stdout))
-    threads = 32 * num_warps
-    return {
-        **cfg,
+    out = {
         "triton": triton.__version__,
-        "ptxas": _ptxas_name(cfg.get("arch", 90)),
-        "block_v": block_v,
-        "num_warps": num_warps,
-        "num_stages": constexprs.get("NUM_STAGES", 1),
-        "tail_slots": constexprs.get("TAIL_SLOTS"),
-        "maxnreg": options.get("maxnreg"),
+        "ptxas": _ptxas_name(spec["arch"]),
         "regs": regs,
         "spill_stores": spill_st,
         "spill_loads": spill_ld,
@@ -336,19 +339,159 @@ def _compile(cfg: dict, seen: dict, sass: bool) -> dict:
         "vector_loads": bool(re.search(r"(ld\.global[^\n]*\.v[24]\.|cp\.async[^\n]*0x10)", ptx)),
         "cache": cache_hints(ptx),
         "loops": [{**lp, "bytes_per_program": lp["bytes"] * threads} for lp in loops],
-        "sass_loops": sass_loops,
-        "sass_code": sass_code,
+        "sass_loops": None,
+        "sass_code": None,
     }
+    return out, compiled.asm["cubin"]
+
+
+def _disassemble(cubin: bytes) -> dict:
+    """The SASS readings of a cubin: its tile loops and the compact code the row model walks."""
+    import triton
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        dump = subprocess.run([str(cuobjdump), "-sass", str(path)], check=True, capture_output=True, text=True)
+    code = sass_model.compact(sass_model.parse_sass(dump.stdout))
+    return {"sass_loops": sass_tile_loops(dump.stdout), "sass_code": code}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The compile cache: one entry per (Triton, sources, specialization), shared by the tests and the xdist workers
+
+
+def _sources_hash() -> str:
+    """The package's and this reader's sources: a change to a kernel, its plan or the analysis is another key."""
+    digest = hashlib.sha256()
+    files = [*sorted((REPO / "grpo_kernels").rglob("*.py")), Path(__file__).resolve(), Path(sass_model.__file__)]
+    for path in files:
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def cache_key(spec: dict, sources: str) -> str:
+    import triton
+
+    parts = {
+        "triton": triton.__version__,
+        "sources": sources,
+        "kernel": spec["name"],
+        "arch": spec["arch"],
+        "signature": spec["signature"],
+        "constexprs": sorted((k, repr(v)) for k, v in spec["constexprs"].items()),
+        "attrs": sorted((list(k), v) for k, v in spec["attrs"].items()),
+        "options": spec["options"],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class CompileCache:
+    """Compile results on disk under `root` (entry `KEY.json`, cubin `KEY.cubin`), each written once, atomically (a
+    temporary file renamed into place), while holding `KEY.lock`: a process that finds an entry locked compiles
+    the others first and then waits for it, so two processes never compile the same specialization."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def load(self, key: str, sass: bool) -> dict | None:
+        entry = self.root / f"{key}.json"
+        if not entry.exists():
+            return None
+        out = json.loads(entry.read_text())
+        if sass and out["sass_code"] is None:  # compiled without SASS: disassemble the stored cubin now
+            out.update(_disassemble((self.root / f"{key}.cubin").read_bytes()))
+            self._write(f"{key}.json", json.dumps(out).encode())
+        return out
+
+    def store(self, key: str, out: dict, cubin: bytes) -> None:
+        self._write(f"{key}.cubin", cubin)  # first: an entry never names a missing cubin
+        self._write(f"{key}.json", json.dumps(out).encode())
+
+    def _write(self, name: str, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.root / name)
+
+    @contextlib.contextmanager
+    def lock(self, key: str, wait: bool):
+        """Yields True with `KEY.lock` held, or False when another process holds it and `wait` is False."""
+        with open(self.root / f"{key}.lock", "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def computed_once(root: Path, name: str, compute: Callable[[], Any]) -> Any:
+    """`compute()`, computed by one process of the test run and read back (unpickled) by the others: the first
+    caller computes it while holding NAME's lock under `root`, one that comes meanwhile waits for it."""
+    cache = CompileCache(root)
+    path = root / f"{name}.pickle"
+    with cache.lock(name, wait=True):
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        cache._write(path.name, pickle.dumps(value))
+        return value
+
+
+def _compile_all(configs: list[dict], sass: bool, cache: CompileCache | None) -> list[dict]:
+    seen: dict = {}
+    specs = [_specialize(cfg) for cfg in configs]
+
+    def fresh(spec: dict) -> tuple[dict, bytes]:
+        out, cubin = _assemble(spec, seen)
+        if sass:
+            out.update(_disassemble(cubin))
+        return out, cubin
+
+    if cache is None:
+        results = [fresh(spec)[0] for spec in specs]
+    else:
+        sources = _sources_hash()
+        keys = [cache_key(spec, sources) for spec in specs]
+        found: dict[str, dict] = {}
+
+        def read_or_compile(i: int, wait: bool) -> bool:
+            """The entry of specs[i], compiled here if nobody has; False: another process holds it (not waiting)."""
+            if keys[i] in found:
+                return True
+            if (entry := cache.load(keys[i], sass)) is not None:
+                found[keys[i]] = entry
+                return True
+            with cache.lock(keys[i], wait) as held:
+                if held:
+                    if (entry := cache.load(keys[i], sass)) is None:  # nobody wrote it while we waited
+                        entry, cubin = fresh(specs[i])
+                        cache.store(keys[i], entry, cubin)
+                    found[keys[i]] = entry
+                return held
+
+        # first the entries no other process is compiling, then wait for the others
+        later = [i for i in range(len(specs)) if not read_or_compile(i, wait=False)]
+        for i in later:
+            read_or_compile(i, wait=True)
+        results = [found[key] for key in keys]
+    return [{**cfg, **spec["plan"], **out} for cfg, spec, out in zip(configs, specs, results, strict=True)]
 
 
 def _main() -> None:
     request = json.loads(sys.stdin.read())
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: every kernel is assembled here, with its log
+    cache = CompileCache(Path(request["cache"])) if request.get("cache") else None
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TRITON_CACHE_DIR"] = tmp  # a fresh cache: every kernel is assembled here, with its log
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
         os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"  # the launch default; silences Triton 3.9's notice about it
-        seen: dict = {}
-        rows = [_compile(cfg, seen, request["sass"]) for cfg in request["configs"]]
+        rows = _compile_all(request["configs"], request["sass"], cache)
     print(json.dumps(rows))
 
 

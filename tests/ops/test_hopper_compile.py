@@ -98,12 +98,15 @@ def _require_aot(site: str | None) -> None:
         raise AssertionError(f"{SITES_VARIABLE} names {site}, which holds no triton package")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", triton_sites(), ids=site_id)
-def test_hopper_compile_registers_and_spills(site):
-    """One test per Triton (not three) so that pytest-xdist does not compile the whole set once per worker."""
+def test_hopper_compile_registers_and_spills(site, aot_cache):
+    """One test per Triton (not three) so that pytest-xdist does not compile the whole set once per worker. The
+    specializations test_performance_model.py compiles too (same Triton, kernel, launch plan and flags) come from
+    the run's compile cache (`aot_cache`) when it has compiled them first, and the other way round."""
     _require_aot(site)
     configs = _configs()
-    rows = hopper_aot.compile_rows(configs, site)
+    rows = hopper_aot.compile_rows(configs, site, cache=aot_cache)
     print_table(rows)
     assert len(rows) == len(configs)
     spilled = [(r["label"], r["dtype"], r["vocab"], r["regs"], r["spill_stores"], r["spill_loads"]) for r in rows
@@ -121,3 +124,21 @@ def test_ci_tests_the_oldest_triton():
     if not os.environ.get("CI"):
         pytest.skip("outside CI the extra Triton folders are optional")
     assert len(triton_sites()) > 1, f"CI runs without {SITES_VARIABLE}: .ci/run installs the older Tritons"
+
+
+def test_compile_cache_entries_are_whole_and_locked_one_holder_at_a_time(tmp_path):
+    """The compile cache the AOT tests share: an entry reads back as written (written whole: no temporary file
+    left beside it), a missing one is None, and while one holder has a key's lock another that will not wait is
+    told so (False) instead of compiling the same specialization again."""
+    cache = hopper_aot.CompileCache(tmp_path / "cache")
+    assert cache.load("k", sass=False) is None
+    entry = {"regs": 40, "spill_stores": 0, "spill_loads": 0, "sass_code": [[0, "EXIT", 0]], "sass_loops": []}
+    cache.store("k", entry, b"\x7fELF")
+    assert cache.load("k", sass=True) == entry  # it has its SASS: nothing to disassemble
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["k.cubin", "k.json"]
+    with cache.lock("k", wait=False) as held:
+        assert held
+        with cache.lock("k", wait=False) as other:  # another open of the lock file: another holder
+            assert not other
+    with cache.lock("k", wait=False) as again:  # released
+        assert again

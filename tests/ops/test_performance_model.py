@@ -330,6 +330,7 @@ def _misses(model: list[dict]) -> tuple[list, list]:
     return below, above
 
 
+@pytest.mark.slow  # the first test of `model`: it computes the model, so it starts first
 def test_every_row_meets_the_copy_rate(model):
     """Everything a row costs (tests/ops/sass_model.py: every SASS instruction of the row at its trips, the pipe
     bounds, the timeline of waits, the resident CTAs' overlap, pass 2's L2 misses), at the pessimistic end of the
@@ -346,13 +347,25 @@ def test_in_flight_target_follows_littles_law():
     assert 1.3 * needed <= triton_logits.IN_FLIGHT_PER_SM <= 2 * needed
 
 
-@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~1 min per Triton on a quiet 2-core machine
-def model(request) -> list[dict]:
+@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~40 s per Triton on a quiet 2-core machine
+def model(request, aot_cache) -> list[dict]:
+    """The model of every row on one Triton, computed once per test run: the xdist worker that comes second, or a
+    later setup of this fixture, reads it back from the run's cache (test_every_row_meets_the_copy_rate, marked
+    slow, starts first; tests/conftest.py)."""
     site = request.param
     _require_aot(site)
+    out = hopper_aot.computed_once(aot_cache, f"performance-model-{site_id(site)}", lambda: _model(site, aot_cache))
+    for device, _, _ in DEVICES:
+        print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
+        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")
+    return out
+
+
+def _model(site: str | None, aot_cache: Path) -> list[dict]:
     compiles, rows = configs_for(site)
     by_plan = {}
-    for cfg, compiled in zip(compiles, hopper_aot.compile_rows(compiles, site, sass=True), strict=True):
+    results = hopper_aot.compile_rows(compiles, site, sass=True, cache=aot_cache)
+    for cfg, compiled in zip(compiles, results, strict=True):
         by_plan[_plan(cfg["kernel"], cfg["dtype"], cfg["vocab"], cfg["l2_bytes"], cfg["grid"], cfg["flags"])] = compiled
     out = [predict(row, by_plan[row["plan"]]) for row in rows]
     for m in out:  # which grid the default is, for the table
@@ -360,9 +373,6 @@ def model(request) -> list[dict]:
             same = [o for o in out if o["kernel"] == FUSED and o["device"] == m["device"] and o["dtype"] == m["dtype"]
                     and o["vocab"] == m["vocab"] and o["grid_mode"] == "l2"]  # fmt: skip
             m["grid_name"] = "l2" if same and same[0]["grid"] == m["grid"] else "sms"
-    for device, _, _ in DEVICES:
-        print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
-        print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")
     return out
 
 
@@ -551,7 +561,7 @@ B200 = {"sms": 148, "clock": 1.755e9, "copy": 8.0e12 * 4.3 / 4.8}
 
 
 @pytest.fixture(scope="module")
-def blackwell() -> list[dict]:
+def blackwell(aot_cache) -> list[dict]:
     _require_aot(None)
     import triton
 
@@ -566,7 +576,8 @@ def blackwell() -> list[dict]:
             compiles[r["plan"]] = hopper_aot.config(r["label"], r["kernel"], r["dtype"], r["vocab"], flags,
                                                     l2_bytes=r["l2"], arch=100)  # fmt: skip
     plans = list(compiles)
-    compiled = dict(zip(plans, hopper_aot.compile_rows([compiles[p] for p in plans], None, sass=True), strict=True))
+    compiled = hopper_aot.compile_rows([compiles[p] for p in plans], None, sass=True, cache=aot_cache)
+    compiled = dict(zip(plans, compiled, strict=True))
     out = [{**predict({**r, "device": "B200"}, compiled[r["plan"]], **B200), "ptxas": compiled[r["plan"]]["ptxas"]}
            for r in rows]  # fmt: skip
     print(f"\nB200 (sm_100a, {out[0]['ptxas']}), assumed: {B200['sms']} SMs, {B200['clock'] / 1e9:.3f} GHz, copy rate "
@@ -575,6 +586,7 @@ def blackwell() -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_blackwell_compile(blackwell):
     """sm_100a with Triton's Blackwell ptxas: 0 spills in every plan; the rows whose MUFU bound is below the B200
     copy rate are printed (Blackwell kept 16 exp2/clk/SM while its bandwidth nearly doubled)."""

@@ -155,6 +155,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 def test_each_bad_input_is_one_line_naming_it_exit_code_2(workdir, model_dir):
     results = run_commands([make(workdir, model_dir) for _, make, _ in ROWS], cwd=workdir)
     failures = []

@@ -37,6 +37,7 @@ TIMING = ("tokens_per_s", "time/generate_s", "time/step_s", "peak_memory_mb")
 STEPS = 3
 # The run the accelerate and resume tests compare with: 2 micro-batches per step, so no_sync is exercised too
 GRPO = {"loss_type": "grpo", "gradient_accumulation_steps": 2}
+pytestmark = pytest.mark.slow  # each test starts 2 or 3 processes
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -50,6 +51,7 @@ def metrics(output_dir):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_an_uninterrupted_run(model_dir, dataset_file, tmp_path):
     straight = cli_train(model_dir, dataset_file, tmp_path / "straight")
     killed = cli_train(model_dir, dataset_file, tmp_path / "killed")

@@ -397,6 +397,7 @@ def test_a_second_signal_stops_at_once_and_leaves_the_last_checkpoint_whole(
     same_run(tmp_path, straight)
 
 
+@pytest.mark.slow
 def test_sigterm_from_outside_stops_after_the_step_with_rc_143_and_no_progress_prints_each_step(
     model_dir, dataset_file, tmp_path
 ):
