@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*\s*(0x[0-9a-f]+)\s*\*/")
 _HI = re.compile(r"^\s*/\*\s*(0x[0-9a-f]+)\s*\*/\s*$")
@@ -60,21 +61,21 @@ class Instr:
     def stall(self) -> int:
         return self.ctrl & 0xF
 
-    @property
+    @cached_property
     def sets_sb(self) -> int | None:  # the scoreboard set on completion (7: none)
         sb = (self.ctrl >> 5) & 7
         return None if sb == 7 else sb
 
-    @property
+    @cached_property
     def waits(self) -> list[int]:
         mask = (self.ctrl >> 11) & 0x3F
         return [b for b in range(6) if mask >> b & 1]
 
-    @property
+    @cached_property
     def op(self) -> str:
         return re.sub(r"^@!?U?P\w+\s+", "", self.text).split(" ", 1)[0]
 
-    @property
+    @cached_property
     def predicated(self) -> bool:
         """Conditional: a guard predicate, or a branch's predicate operand."""
         m = _BRANCH.match(self.text)
