@@ -132,11 +132,18 @@ def _widen(b_w, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
+def _word_ptrs(p, SLOTS: tl.constexpr, VEC: tl.constexpr):
+    """A tile of 2-byte logits from `p` as 32-bit word pointers [SLOTS, VEC / 2] (`_widen` splits each word)."""
+    return p.to(tl.pointer_type(tl.int32), bitcast=True) + (
+        tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+    )
+
+
+@triton.jit
 def _load_tile(p, o_b, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
     """One full tile [SLOTS, VEC] in fp32, unmasked; WORDS: as 32-bit words (`_widen`)."""
     if WORDS:
-        o_w = tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
-        b_w = tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + o_w, eviction_policy=EVICT)
+        b_w = tl.load(_word_ptrs(p, SLOTS, VEC), eviction_policy=EVICT)
     else:
         b_w = tl.load(p + o_b, eviction_policy=EVICT)
     return _widen(b_w, SLOTS, VEC, WORDS)
@@ -153,9 +160,7 @@ def _load_tail(p, r, EVICT: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr
     if VECTORS:
         m_v = (tl.arange(0, SLOTS) * VEC < r)[:, None]  # whole vectors: one predicate per slot
         if WORDS:
-            o_w = tl.arange(0, SLOTS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
-            return tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + o_w, mask=m_v, other=0,
-                           eviction_policy=EVICT)  # fmt: skip
+            return tl.load(_word_ptrs(p, SLOTS, VEC), mask=m_v, other=0, eviction_policy=EVICT)
         else:
             return tl.load(p + _tile_offsets(SLOTS, VEC), mask=m_v, other=0.0, eviction_policy=EVICT)
     else:
