@@ -51,6 +51,7 @@ _TILE_HEURISTICS = {
     "VEC": lambda a: _tile_shape(a["BLOCK_V"], a["x_ptr"].element_size())[1],
     "TAIL_SLOTS": lambda a: 0 if _tail_tile(a) else _tail_slots(a),
     "VECTORS": lambda a: _vectors(a),  # (defined below)
+    "FMA_FRAME": lambda a: _fma_frame(a),
 }
 
 
@@ -74,6 +75,14 @@ def _vectors(args: dict) -> bool:
     """Rows on 16-byte vectors (ALIGNED or HEAD) of logits that start on 16 bytes: their tail tile may read the
     whole vector that holds a tail logit (`_load_tail`)."""
     return bool(args["ALIGNED"] or args["HEAD"]) and args["x_ptr"].data_ptr() % 16 == 0
+
+
+def _fma_frame(args: dict) -> bool:
+    """16-bit rows on 16-byte vectors take z2 = x·k2 − r as one FFMA from a per-slot fp32 reference r
+    (`_scan_tile`, `_grad_tile`): one instruction less per logit where issue binds, for a register more per slot.
+    fp32 rows (issue far from binding, 64-register plans) and scalar rows (16 slots per thread) keep
+    z2 = (x − m)·k2. Both are exact to the same fp32 roundings."""
+    return _vectors(args) and args["x_ptr"].element_size() == 2
 
 
 def _tail_slots(args: dict) -> int:
@@ -194,12 +203,18 @@ def _is_before(o, SLOTS: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _scan_tile(
-    b_x, v0, y, shift, b_m, b_s, b_t, k2,
-    BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr,
+    b_x, v0, y, shift, b_m, b_r, b_s, b_t, k2,
+    BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr, FMA_FRAME: tl.constexpr,
 ):  # fmt: skip
-    """Fold one tile of fp32 logits [SLOTS, VEC] into the per-slot online (max m, Σe, Σe·z2), z2 relative to
-    the slot's own max. About 8 instructions per logit: no select outside the target's tile, no -inf guard per
-    logit (a NaN-propagating clamp of z2 at -256 instead: 2^-256 is 0 in fp32, so e·z2 is 0 where z2 is -inf)."""
+    """Fold one tile of fp32 logits [SLOTS, VEC] into the per-slot online (max m, reference r, Σe, Σe·z2).
+    FMA_FRAME (`_fma_frame`): the sums are relative to the slot's reference r = m·k2 rounded to fp32 (log2 units,
+    `b_r`: 0 while the slot has seen only −inf, −inf before its first tile), so that z2 = x·k2 − r is one FFMA per
+    logit, rounded once. The old sums move to a new reference by 2^(r_old − r_new): r comes out of a select, never
+    a product, so no contraction (an FFMA that skips the product's rounding) can reach it, even across an unrolled
+    trip, and both sides of the rescale use the same fp32 reference. Otherwise
+    z2 = (x − m)·k2 and `b_r` is unused. About 7 (FMA_FRAME) or 8 instructions per logit: no select outside the
+    target's tile, no -inf guard per logit (a NaN-propagating clamp of z2 at -256 instead: 2^-256 is 0 in fp32, so
+    e·z2 is 0 where z2 is -inf)."""
     if HEAD:  # noqa: SIM102 (a constexpr test, then a run-time one: `and` would make both run-time)
         if v0 < shift:  # a HEAD row's first tile (or tail chunks) only: logits before the row are not the row's
             # (shift − v0, not shift: a loop-invariant mask would be hoisted and held in registers across the loop)
@@ -207,17 +222,35 @@ def _scan_tile(
     if (y >= v0) & (y < v0 + BLOCK_V):  # the target's own tile only: its logit is left out of the sums
         b_x = tl.where(_is_offset(y - v0, SLOTS, VEC), float("-inf"), b_x)
     b_mn = tl.maximum(b_m, tl.max(b_x, 1))  # [SLOTS]
-    b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # a slot that has seen only -inf has no scale yet
-    # How far the slot's old sums sink under its new max; clamped so that a slot with empty sums (old max -inf)
-    # gets α = 0 and 0·d, never 0·(-inf).
-    b_d = tl.maximum((b_m - b_ref) * k2, -256.0)
+    # How far the slot's old sums sink under its new reference; clamped so that a slot with empty sums (old
+    # reference -inf) gets α = 0 and 0·d, never 0·(-inf). A slot that has seen only -inf has no scale yet (0).
+    if FMA_FRAME:
+        b_ref = b_mn * k2
+        b_ref = tl.where(b_ref == float("-inf"), 0.0, b_ref)  # a select: what is carried is never a product
+        b_d = tl.minimum(tl.maximum(b_r - b_ref, -256.0), 0.0)  # <= 0 but from an empty slot's reference 0
+        b_z = tl.fma(b_x, k2, -b_ref[:, None])
+        b_rn = b_ref
+    else:  # (x − m)·k2, relative to the slot's max itself
+        b_rn = b_r
+        b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+        b_d = tl.maximum((b_m - b_ref) * k2, -256.0)
+        b_z = (b_x - b_ref[:, None]) * k2
     b_a = tl.exp2(b_d)
     b_t = b_a * (b_t + b_d * b_s)  # Σ α e (z2 + d) = α (t + d·s)
-    b_z = tl.maximum((b_x - b_ref[:, None]) * k2, -256.0, propagate_nan=tl.PropagateNan.ALL)
+    b_z = tl.maximum(b_z, -256.0, propagate_nan=tl.PropagateNan.ALL)
     b_e = tl.exp2(b_z)
     b_s = b_a * b_s + tl.sum(b_e, 1)  # a NaN logit reaches the sums here and propagates
     b_t = b_t + tl.sum(b_e * b_z, 1)
-    return b_mn, b_s, b_t
+    return b_mn, b_rn, b_s, b_t
+
+
+@triton.jit
+def _to_row_max(b_m, b_r, b_mx, k2, FMA_FRAME: tl.constexpr):
+    """log2 of the factor that takes a slot's sums (max m, reference r: `_scan_tile`) to the row's max; -inf for an
+    empty slot (its sums are 0)."""
+    if FMA_FRAME:
+        return tl.where(b_m == float("-inf"), float("-inf"), tl.fma(-b_mx, k2, b_r))
+    return (b_m - b_mx) * k2
 
 
 @triton.jit
@@ -237,6 +270,7 @@ def _row_scan(
     HEAD: tl.constexpr,
     WORDS: tl.constexpr,
     TARGET_FIRST: tl.constexpr,
+    FMA_FRAME: tl.constexpr,
 ):
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so, x_y) with z2 = (x − m)·log2(e)/τ (log2 units,
     <= 0), e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2), so = Σ_{v≠y} e (`_exact_logp`)
@@ -250,7 +284,8 @@ def _row_scan(
     if TARGET_FIRST:  # the id is in registers already: the target's load waits behind the scan, not in front of it
         x_y = tl.load(p_a + y_a).to(tl.float32)
     b_m = tl.full([SLOTS], float("-inf"), tl.float32)
-    b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its max
+    b_r = tl.full([SLOTS], float("-inf"), tl.float32)  # the slot's reference m·k2 (`_scan_tile`)
+    b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its reference
     b_t = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e·z2 of the slot
     # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline.
     if TAIL_SLOTS == 0:
@@ -259,7 +294,9 @@ def _row_scan(
         for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
             v0 = _overlapped_start(i, n, BLOCK_V)
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
-            b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, i * BLOCK_V, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True)
+            b_m, b_r, b_s, b_t = _scan_tile(
+                b_x, v0, y_a, i * BLOCK_V, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True, FMA_FRAME
+            )
     else:
         # A HEAD row's first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >=
         # its start) and drops them in `_scan_tile`. The ragged tail [v_full, n) is one tile more, loaded before the
@@ -270,19 +307,26 @@ def _row_scan(
             b_wt = _load_tail(p_a + v_full, n - v_full, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
         for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
-            b_m, b_s, b_t = _scan_tile(b_x, v0, y_a, shift, b_m, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD)
+            b_m, b_r, b_s, b_t = _scan_tile(
+                b_x, v0, y_a, shift, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD, FMA_FRAME
+            )
         # into accumulators of the tail tile's own shape (TAIL_SLOTS slots), combined with the others below
         b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
+        b_rc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
         b_sc = tl.zeros([TAIL_SLOTS], tl.float32)
         b_tc = tl.zeros([TAIL_SLOTS], tl.float32)
         if VECTORS:  # one tile covers the tail (`_tail_slots`)
             b_xt = _tail_logits(b_wt, n - v_full, TAIL_SLOTS, VEC, WORDS, VECTORS)
-            b_mc, b_sc, b_tc = _scan_tile(b_xt, v_full, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD)
+            b_mc, b_rc, b_sc, b_tc = _scan_tile(
+                b_xt, v_full, y_a, shift, b_mc, b_rc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD, FMA_FRAME
+            )
         else:  # scalar rows: a load per logit, in chunks loaded after the loop (in registers across it they spill)
             for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
                 b_wt = _load_tail(p_a + c0, n - c0, EVICT, TAIL_SLOTS, VEC, WORDS, VECTORS)
                 b_xt = _tail_logits(b_wt, n - c0, TAIL_SLOTS, VEC, WORDS, VECTORS)
-                b_mc, b_sc, b_tc = _scan_tile(b_xt, c0, y_a, shift, b_mc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD)
+                b_mc, b_rc, b_sc, b_tc = _scan_tile(
+                    b_xt, c0, y_a, shift, b_mc, b_rc, b_sc, b_tc, k2, CHUNK, TAIL_SLOTS, VEC, HEAD, FMA_FRAME
+                )
     if not TARGET_FIRST:
         # The target's logit, read after the scan (the row is in cache): issued before the tile loop, its address
         # would wait on the id's load, and in-order issue would hold the first tile's copies behind it.
@@ -292,12 +336,16 @@ def _row_scan(
     if TAIL_SLOTS > 0:
         b_mr = tl.maximum(b_mr, tl.max(b_mc, 0))
     b_mx = tl.where(b_mr == float("-inf"), 0.0, b_mr)
-    b_d = tl.maximum((b_m - b_mx) * k2, -256.0)
+    # Each slot's sums, from its reference to the row's max: with FMA_FRAME d = r − m·k2 in one rounding (an
+    # FFMA), so that the sums below are relative to the exact m·k2 whatever the slots' references rounded to.
+    b_d = tl.maximum(_to_row_max(b_m, b_r, b_mx, k2, FMA_FRAME), -256.0)
     b_w = tl.exp2(b_d)
     b_so = tl.sum(b_w * b_s, 0)  # Σ_{v≠y} e, relative to the row max
+    # The references need m·k2 in fp32: a row whose max is beyond it (|x|/τ above ~2e38) is NaN, not wrong.
+    b_so = tl.where(tl.abs(b_mx * k2) == float("inf"), float("nan"), b_so)
     b_to = tl.sum(b_w * (b_t + b_d * b_s), 0)  # Σ_{v≠y} e·z2
     if TAIL_SLOTS > 0:
-        b_dc = tl.maximum((b_mc - b_mx) * k2, -256.0)
+        b_dc = tl.maximum(_to_row_max(b_mc, b_rc, b_mx, k2, FMA_FRAME), -256.0)
         b_wc = tl.exp2(b_dc)
         b_so += tl.sum(b_wc * b_sc, 0)
         b_to += tl.sum(b_wc * (b_tc + b_dc * b_sc), 0)
@@ -309,20 +357,33 @@ def _row_scan(
 
 
 @triton.jit
-def _grad_tile(b_x, v0, y, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
-               SLOTS: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+def _grad_tile(b_x, v0, y, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+               SLOTS: tl.constexpr, VEC: tl.constexpr, FMA_FRAME: tl.constexpr):  # fmt: skip
     """∂logits of one tile, already divided by τ: p·(gn + hn·z2) with gn = (h·ln2·c2 − g)/τ and hn = −h·ln2/τ,
-    and the target's own value `b_dy` (a scalar of the row) in the target's tile only."""
-    b_u = b_x - b_mx
+    and the target's own value `b_dy` (a scalar of the row) in the target's tile only. z2 is relative to the row's
+    reference `b_rx` (`_grad_constants`, which gives log2 Σe `b_lr` and gn `b_gr` relative to it): with FMA_FRAME
+    z2 = x·k2 − r, one FFMA; else z2 = (x − m)·k2."""
+    b_z = tl.fma(b_x, k2, -b_rx) if FMA_FRAME else (b_x - b_rx) * k2
     if HAS_ENT:
         # Where p == 0 (z2 below -149, -inf padding) the centered term is p·(…) = 0, not 0·(−inf); NaN stays NaN.
-        b_z = tl.maximum(b_u * k2, -256.0, propagate_nan=tl.PropagateNan.ALL)
-        b_d = tl.exp2(b_z - b_log2s) * (b_gn + b_hn * b_z)
+        b_z = tl.maximum(b_z, -256.0, propagate_nan=tl.PropagateNan.ALL)
+        b_d = tl.exp2(b_z - b_lr) * (b_gr + b_hn * b_z)
     else:
-        b_d = tl.exp2(b_u * k2 - b_log2s) * b_gn
+        b_d = tl.exp2(b_z - b_lr) * b_gr
     if (y >= v0) & (y < v0 + BLOCK_V):  # the target's own tile only
         b_d = tl.where(_is_offset(y - v0, SLOTS, VEC), b_dy, b_d)
     return b_d
+
+
+@triton.jit
+def _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME: tl.constexpr):
+    """(reference, log2 Σe, gn) of a row for `_grad_tile`. FMA_FRAME: relative to the fp32 reference r = m·k2; the
+    sums of pass 1 are relative to the exact m·k2 = r + δ, δ exact from one FFMA. Else the max m itself."""
+    if not FMA_FRAME:
+        return b_mx, b_log2s, b_gn
+    b_rx = b_mx * k2
+    b_dl = tl.fma(b_mx, k2, -b_rx)  # δ = m·k2 − r, exact
+    return b_rx, b_log2s + b_dl, b_gn - b_hn * b_dl
 
 
 @triton.jit
@@ -350,6 +411,7 @@ def _row_grad_store(
     NUM_STAGES: tl.constexpr,
     HEAD: tl.constexpr,
     WORDS: tl.constexpr,
+    FMA_FRAME: tl.constexpr,
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile, over [shift, n) from the aligned
     bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is
@@ -372,30 +434,35 @@ def _row_grad_store(
         if HAS_ENT:
             b_zyc = tl.maximum(b_zy, -256.0, propagate_nan=tl.PropagateNan.ALL)
             b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
+        b_rx, b_lr, b_gr = _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME)
         if TAIL_SLOTS == 0:  # every tile pipelined, the last one overlapping: its head is not stored again
             for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
                 v0 = _overlapped_start(i, n, BLOCK_V)
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-                b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
+                b_d = _grad_tile(
+                    b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
+                )
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, i * BLOCK_V, SLOTS, VEC, True)
         else:
             if VECTORS:
                 b_wt = _load_tail(p_a + v_full, n - v_full, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
             for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-                b_d = _grad_tile(b_x, v0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC)
+                b_d = _grad_tile(
+                    b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
+                )
                 _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
             if VECTORS:
                 _tail_grad_store(
-                    b_wt, p_oa, v_full, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
-                    WORDS,
+                    b_wt, p_oa, v_full, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                    WORDS, FMA_FRAME,
                 )  # fmt: skip
             else:
                 for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
                     b_wt = _load_tail(p_a + c0, n - c0, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
                     _tail_grad_store(
-                        b_wt, p_oa, c0, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
-                        WORDS,
+                        b_wt, p_oa, c0, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                        WORDS, FMA_FRAME,
                     )  # fmt: skip
     else:
         b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
@@ -414,14 +481,14 @@ def _row_grad_store(
 
 @triton.jit
 def _tail_grad_store(
-    b_wt, p_oa, c0, n, shift, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT: tl.constexpr,
-    TAIL_SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr,
+    b_wt, p_oa, c0, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constexpr,
+    TAIL_SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr,
 ):  # fmt: skip
     """The gradient of a tail tile at c0 (as `_load_tail` loaded it), stored up to the row's end n, and not over
     a HEAD row's head [0, shift)."""
     b_d = _grad_tile(
-        _widen(b_wt, TAIL_SLOTS, VEC, WORDS), c0, y_a, b_mx, b_log2s, b_dy, b_gn, b_hn, k2, HAS_ENT, TAIL_SLOTS * VEC,
-        TAIL_SLOTS, VEC,
+        _widen(b_wt, TAIL_SLOTS, VEC, WORDS), c0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS * VEC,
+        TAIL_SLOTS, VEC, FMA_FRAME,
     )  # fmt: skip
     m_t = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
     tl.store(p_oa + c0 + _tile_offsets(TAIL_SLOTS, VEC), b_d.to(p_oa.dtype.element_ty), mask=m_t,
@@ -523,6 +590,7 @@ def row_stats_fwd_kernel(
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
+    FMA_FRAME: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -552,6 +620,7 @@ def row_stats_fwd_kernel(
             HEAD,
             WORDS,
             False,
+            FMA_FRAME,
         )  # read once
         tl.store(logp_ptr + i_row, _exact_logp(x_y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
@@ -610,6 +679,7 @@ def row_grad_kernel(
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
+    FMA_FRAME: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -644,6 +714,7 @@ def row_grad_kernel(
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
             b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
+            FMA_FRAME,
         )  # fmt: skip
 
 
@@ -679,6 +750,7 @@ def shard_partials_fwd_kernel(
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
+    FMA_FRAME: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -712,6 +784,7 @@ def shard_partials_fwd_kernel(
             HEAD,
             WORDS,
             False,
+            FMA_FRAME,
         )  # read once
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
@@ -889,6 +962,7 @@ def fused_token_grad_fwd_kernel(
     VEC: tl.constexpr,
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
+    FMA_FRAME: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     # Each row's id and per-token inputs are loaded a row ahead, just before the previous row's pass 2, where
@@ -941,6 +1015,7 @@ def fused_token_grad_fwd_kernel(
             HEAD,
             WORDS,
             VECTORS,  # TARGET_FIRST (the scalar rows' plan has no register to spare across the scan)
+            FMA_FRAME,
         )  # pass 2 re-reads the row from L2
         b_lp = _exact_logp_from_log2s(x_y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
@@ -960,6 +1035,7 @@ def fused_token_grad_fwd_kernel(
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
             b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
+            FMA_FRAME,
         )  # fmt: skip
 
 
@@ -1062,8 +1138,11 @@ ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
 # Floor bytes per second (logits read + gradient written) that one busy SM's instruction issue allows the fused
 # kernel, by element size: 4 warp instructions per cycle at 1.98 GHz over the SASS instructions per row of the
 # sm_90a compile, in the L2-sized grid's plan, the one it decides on (its deeper pipeline costs a few more
-# instructions per tile); tests/ops/test_performance_model.py holds these to every compiled plan within 20 %.
-FUSED_ISSUE_BYTES_PER_SM = {2: 41e9, 4: 85e9}
+# instructions per tile); tests/ops/test_performance_model.py holds these to every compiled plan within 20 % (16-bit:
+# 43-50 GB/s). The 16-bit figure sits at the low end: the trade counts no latency, and the full row model has the
+# L2-sized grid slower wherever it clears the margin by less (H200, bf16 V = 128256: 122 programs, 3.45 TB/s
+# against the full grid's 3.73).
+FUSED_ISSUE_BYTES_PER_SM = {2: 44e9, 4: 85e9}
 FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"
 NARROW_16BIT: bool | None = None  # False: 16-bit rows keep the wide plans; None: the variable, else on

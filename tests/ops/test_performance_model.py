@@ -288,19 +288,19 @@ def print_model(rows: list[dict]) -> None:
 # - latency: serial waits a row cannot hide: the pass start (one DRAM latency, then an L2 one for pass 2), the
 #   target logit read after the scan, two barriers per tile, the reductions; one resident CTA per SM for the fused
 #   kernel, two for stats and shard partials, so little else issues meanwhile;
-# - issue: per-row code (setup, cross-slot reductions, the target's tile: 11-13 % of the row) on top of ~195 SASS
-#   instructions per 8192-logit tile (8 per logit), at 1.755 GHz;
+# - issue: per-row code (setup, cross-slot reductions, the target's tile: 11-13 % of the row) on top of ~175 SASS
+#   instructions per 8192-logit tile of 16-bit logits (7 per logit: `_fma_frame`), at 1.755 GHz;
 # - dram: the fused kernel's pass 2 misses L2: 132 rows in flight exceed L2_FRACTION of L2 (fp32 from V = 128256,
-#   bf16 at 262144), and the L2-sized grid leaves SMs idle.
+#   bf16 from 151936 on the H100's 50 MiB), and the L2-sized grid leaves SMs idle.
 MISS_COLUMNS = (("3.9", "H100"), ("3.9", "H200"), ("3.6", "H100"), ("3.6", "H200"))
 MISSES: dict[tuple[str, str, int], tuple[tuple[float | None, ...], str]] = {
     # (kernel, dtype, V): ((3.9 H100, 3.9 H200, 3.6 H100, 3.6 H200), bound)
-    ("fused clip all", "bf16", 50257): ((3.83, None, 3.83, None), "latency"),
-    ("fused clip all", "bf16", 50304): ((None, None, 3.97, None), "latency"),
-    ("fused clip all", "bf16", 128256): ((3.54, 3.55, 3.44, 3.45), "latency"),
-    ("fused clip all", "bf16", 129280): ((3.56, 3.58, 3.47, 3.48), "latency"),
-    ("fused clip all", "bf16", 151936): ((3.61, 3.62, 3.53, 3.54), "latency"),
-    ("fused clip all", "bf16", 152064): ((3.62, 3.62, 3.53, 3.54), "latency"),
+    ("fused clip all", "bf16", 50257): ((3.86, None, 3.88, None), "latency"),
+    ("fused clip all", "bf16", 50304): ((None, None, 4.03, None), "latency"),
+    ("fused clip all", "bf16", 128256): ((3.72, 3.73, 3.62, 3.63), "latency"),
+    ("fused clip all", "bf16", 129280): ((3.75, 3.76, 3.65, 3.66), "latency"),
+    ("fused clip all", "bf16", 151936): ((3.67, 3.81, 3.67, 3.73), "dram (H100), latency"),
+    ("fused clip all", "bf16", 152064): ((3.66, 3.82, 3.66, 3.73), "dram (H100), latency"),
     ("fused clip all", "bf16", 262144): ((3.28, 3.38, 3.28, 3.38), "dram"),
     ("fused clip all", "fp32", 128256): ((3.29, 3.39, 3.29, 3.39), "dram"),
     ("fused clip all", "fp32", 129280): ((3.29, 3.39, 3.29, 3.39), "dram"),
@@ -439,7 +439,8 @@ GRID_DEAD_BAND = 1.03
 def test_fused_grid_trade(model):
     """The L2-sized grid keeps its rows within L2_FRACTION of L2; the default grid is the faster of the two
     predictions (within 2 %) among those whose issue bound clears the target (by GRID_DEAD_BAND): the issue rate
-    of the SMs the L2-sized grid leaves idle against the DRAM traffic of the full grid's misses."""
+    of the SMs the L2-sized grid leaves idle against the DRAM traffic of the full grid's misses. It is also the
+    faster of the two (within 2 %) by the full row model, whose latency bound the launcher's trade leaves out."""
     fused = [m for m in model if m["kernel"] == FUSED]
     over = [(m["device"], m["dtype"], m["vocab"], round(m["l2_set"] / 2**20, 1)) for m in fused
             if m["grid_mode"] == "l2" and m["l2_set"] > triton_logits.L2_FRACTION * m["l2"]]  # fmt: skip
@@ -459,6 +460,11 @@ def test_fused_grid_trade(model):
         best = max(eligible or alt.values(), key=lambda o: o["predicted"])
         if m["predicted"] < 0.98 * best["predicted"]:
             slower.append((m["device"], m["dtype"], m["vocab"], m["grid_name"], best["grid_mode"]))
+        # and by everything a row costs (test_every_row_meets_the_copy_rate's model), latency included, which the
+        # launcher's own trade leaves out
+        best = max(alt.values(), key=lambda o: o["full_min"])
+        if m["full_min"] < 0.98 * best["full_min"]:
+            slower.append((m["device"], m["dtype"], m["vocab"], m["grid_name"], best["grid_mode"], "full model"))
     assert not slower, f"the default fused grid is not the faster prediction: {slower}"
 
 
