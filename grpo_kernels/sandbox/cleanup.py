@@ -21,10 +21,33 @@ def kill_run(procs: list[subprocess.Popen], cgroup: str | None, uid: int | None,
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+        wait_group_gone(proc.pid)
     if cgroup:
         kill_cgroup(cgroup)
     if uid is not None and not plan.pid_ns:
         kill_uid(uid, plan.python)
+
+
+def wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    """Wait until no process of group `pgid` is alive but as a zombie. A SIGKILL takes effect later than kill()
+    returns, and the sample's init (in the launcher's group) dies only once the kernel has killed and reaped every
+    process of its PID namespace: until it is a zombie, some of the sample may still be alive (seen on a loaded
+    machine). `timeout` bounds the wait should a process hang in the kernel."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive_in_group(pgid):
+        time.sleep(0.002)
+
+
+def _alive_in_group(pgid: int) -> bool:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            return True
+    return False
 
 
 _KILL_UID = """
