@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 
 from .plan import Plan, remove_cgroup, write
 
@@ -32,22 +33,27 @@ def wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
     """Wait until no process of group `pgid` is alive but as a zombie. A SIGKILL takes effect later than kill()
     returns, and the sample's init (in the launcher's group) dies only once the kernel has killed and reaped every
     process of its PID namespace: until it is a zombie, some of the sample may still be alive (seen on a loaded
-    machine). `timeout` bounds the wait should a process hang in the kernel."""
+    machine). Only the members found at once are waited for, so a later group that reuses the number is not;
+    `timeout` bounds the wait should a process hang in the kernel."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive_in_group(pgid):
+    members = _alive_in_group(pgid, filter(str.isdigit, os.listdir("/proc")))
+    while members and time.monotonic() < deadline:
         time.sleep(0.002)
+        members = _alive_in_group(pgid, members)
 
 
-def _alive_in_group(pgid: int) -> bool:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def _alive_in_group(pgid: int, pids: Iterable[str]) -> list[str]:
+    """Those of `pids` that are alive, not zombies, in process group `pgid`."""
+    alive = []
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
         except (OSError, ValueError):
             continue
         if int(group) == pgid and state not in ("Z", "X"):
-            return True
-    return False
+            alive.append(pid)
+    return alive
 
 
 _KILL_UID = """
