@@ -341,8 +341,8 @@ def _row_scan(
     b_d = tl.maximum(_to_row_max(b_m, b_r, b_mx, k2, FMA_FRAME), -256.0)
     b_w = tl.exp2(b_d)
     b_so = tl.sum(b_w * b_s, 0)  # Σ_{v≠y} e, relative to the row max
-    # The references need m·k2 in fp32: a row whose max is beyond it (|x|/τ above ~2e38) is NaN, not wrong.
-    b_so = tl.where(tl.abs(b_mx * k2) == float("inf"), float("nan"), b_so)
+    if FMA_FRAME:  # the references need m·k2 in fp32: a row whose max is beyond it (|x|/τ above ~2e38) is NaN
+        b_so = tl.where(tl.abs(b_mx * k2) == float("inf"), float("nan"), b_so)
     b_to = tl.sum(b_w * (b_t + b_d * b_s), 0)  # Σ_{v≠y} e·z2
     if TAIL_SLOTS > 0:
         b_dc = tl.maximum(_to_row_max(b_mc, b_rc, b_mx, k2, FMA_FRAME), -256.0)

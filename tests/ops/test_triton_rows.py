@@ -306,22 +306,26 @@ def test_extreme_logits(dtype, scale):
     run_rows(x, ids, 1.0, g, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_a_row_beyond_the_fp32_reference_is_nan(temperature):
+def test_a_row_beyond_the_fp32_reference_is_nan(dtype, temperature):
     """16-bit rows take z2 = x·k2 − r from r = m·k2 in fp32 (`_fma_frame`): a row whose max·k2 overflows fp32
-    (bf16 logits of 3e38) has no reference, and reads NaN rather than a wrong number; the other rows are exact."""
+    (logits of 3e38) has no reference, and reads NaN rather than a wrong number; the other rows are exact. fp32
+    rows keep z2 = (x − m)·k2, which needs no reference: the same rows are exact there."""
     gen = torch.Generator().manual_seed(11)
     values = 3 * torch.randn(2, 2, 320, generator=gen, dtype=torch.float64)
     values[0, 1, 17] = 3.0e38
     values[1, 0] = -3.0e38 + values[1, 0]  # a whole row far below: its max·k2 overflows to −inf
-    x = make_logits(values, torch.bfloat16, "contiguous")
+    x = make_logits(values, dtype, "contiguous")
     ids = make_ids(2, 2, 320, gen)
     logp, entropy, _ = triton_logits.row_stats(x, ids, temperature)
     bad = torch.tensor([[False, True], [True, False]], device=DEVICE)
+    if dtype == torch.float32:
+        bad = torch.zeros_like(bad)
     assert torch.isnan(logp[bad]).all() and torch.isnan(entropy[bad]).all()
     exact_lp, exact_h, _ = exact_rows(x, ids, temperature)
-    check_stats("logp", logp[~bad], exact_lp[~bad], torch.bfloat16)
-    check_stats("entropy", entropy[~bad], exact_h[~bad], torch.bfloat16)
+    check_stats("logp", logp[~bad], exact_lp[~bad], dtype)
+    check_stats("entropy", entropy[~bad], exact_h[~bad], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
