@@ -1093,8 +1093,9 @@ def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tu
     `narrow`: "scan" for the statistics or shard-partials kernel over 2-byte logits, "fused" for the fused kernel
     over them (`_narrow_plan`), planned at 32 logits per thread on fewer warps per program and more programs per
     SM (`_programs_per_sm`): at 16384 < V <= 65536 tiles of 4096 over 4 warps (the row's serial start, reductions
-    and per-row code run by half the warps, and overlapped by 3-4 rows per SM); above, the scans keep 8 warps, each
-    tile's fixed work (its max, rescale, loop control) shared by twice the logits of 16 (docs/performance.md)."""
+    and per-row code run by half the warps, and overlapped by 3-4 rows per SM); above, the scans keep 8 warps and
+    the fused kernel takes tiles of 16384 over 16, each tile's fixed work (its barriers, max, rescale, loop control)
+    shared by twice the logits of 16 (docs/performance.md)."""
     if vocab <= 256:  # toy vocabularies: one warp is plenty
         return max(16, triton.next_power_of_2(vocab)), 1
     if vocab <= 1024:
@@ -1109,6 +1110,8 @@ def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tu
         return 8192, 8
     if scalar_rows or narrow == "scan":  # the plain path's scalar loads: 16 warps leave too few
         return 8192, 8
+    if narrow == "fused":  # one program per SM: each tile's barriers and fixed work shared by 32 logits per thread
+        return 16384, 16
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
 
 

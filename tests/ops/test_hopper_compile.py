@@ -26,7 +26,7 @@ VOCABS = (
     4096,  # (4096, 8): one tile
     16000,  # (4096, 8): 4 tiles, the last one partial
     32000,  # (8192, 8): Llama-2, 4 tiles; (4096, 4) for 16-bit statistics and fused rows, 8 tiles
-    151936,  # (8192, 16): Qwen2.5/3, 19 tiles; (8192, 8) for 16-bit statistics
+    151936,  # (8192, 16): Qwen2.5/3, 19 tiles; (8192, 8) for 16-bit statistics, (16384, 16) for 16-bit fused rows
     262144,  # (8192, 16): Gemma-3, 32 tiles (deeper pipeline in the fused kernel)
 )
 DTYPES = ("fp32", "bf16", "fp16")

@@ -573,12 +573,12 @@ def test_shard_state_merged_then_row_grad(dtype):
 def test_16bit_plan_rows(vocab):
     """The 16-bit plan of the statistics, shard-partials and fused kernels past V = 16384: tiles of 4096 over 4 warps
     (5 tiles, the last overlapping or masked), against the oracle and the torch partials; the gradient kernel and
-    fp32 rows keep theirs, and above V = 65536 only the scans keep 8 warps."""
+    fp32 rows keep theirs; above V = 65536 the scans keep 8 warps, the fused kernel tiles of 16384 over 16."""
     assert triton_logits._block_config(vocab, False, "scan") == (4096, 4)
     assert triton_logits._block_config(vocab, False, "fused") == (4096, 4)
     assert triton_logits._block_config(vocab, False, "") == (8192, 8)
     assert triton_logits._block_config(151936, False, "scan") == (8192, 8)
-    assert triton_logits._block_config(151936, False, "fused") == (8192, 16)
+    assert triton_logits._block_config(151936, False, "fused") == (16384, 16)
     gen = torch.Generator().manual_seed(vocab)
     values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
     values[0, 1, -5:] += 40.0  # the row's max in the last tile
@@ -592,6 +592,21 @@ def test_16bit_plan_rows(vocab):
     got = triton_logits.shard_partials(x, ids, 0, 0.8)
     want = torch_rows.shard_partials(x.double(), ids, 0, 0.8)
     torch.testing.assert_close(got.double(), want, rtol=SHARD_PARTIALS_RTOL, atol=0.0)
+    cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
+    run_fused(x, ids, cfg, token_inputs(1, 2, gen))
+
+
+@pytest.mark.parametrize("vocab", [65552, 65553])  # aligned (overlapping last tile) and realigned (masked tail)
+def test_wide_fused_plan_rows(vocab):
+    """The fused kernel's 16-bit plan past V = 65536, tiles of 16384 (5 of them: the last overlapping the one before
+    or masked), against the oracle, the target in the last tile and the row's max in the first."""
+    assert triton_logits._block_config(vocab, False, "fused") == (16384, 16)
+    gen = torch.Generator().manual_seed(vocab)
+    values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
+    values[0, 0, 7] += 40.0
+    x = make_logits(values, torch.bfloat16, "contiguous")  # V odd: HEAD rows, realigned to 16 elements
+    assert not triton_logits._scalar_rows(x)
+    ids = torch.tensor([[vocab - 2, 16390]], device=DEVICE)
     cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
 
