@@ -245,6 +245,11 @@ def _scan_tile(
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _to_row_max(b_m, b_r, b_mx, k2, FMA_FRAME: tl.constexpr):
     """log2 of the factor that takes a slot's sums (max m, reference r: `_scan_tile`) to the row's max; -inf for an
     empty slot (its sums are 0)."""
@@ -340,15 +345,16 @@ def _row_scan(
     # FFMA), so that the sums below are relative to the exact m·k2 whatever the slots' references rounded to.
     b_d = tl.maximum(_to_row_max(b_m, b_r, b_mx, k2, FMA_FRAME), -256.0)
     b_w = tl.exp2(b_d)
-    b_so = tl.sum(b_w * b_s, 0)  # Σ_{v≠y} e, relative to the row max
+    # Σ_{v≠y} e and Σ_{v≠y} e·z2, relative to the row max: one reduction of the pair (one exchange between warps)
+    b_so, b_to = tl.reduce((b_w * b_s, b_w * (b_t + b_d * b_s)), 0, _add_pair)
     if FMA_FRAME:  # the references need m·k2 in fp32: a row whose max is beyond it (|x|/τ above ~2e38) is NaN
         b_so = tl.where(tl.abs(b_mx * k2) == float("inf"), float("nan"), b_so)
-    b_to = tl.sum(b_w * (b_t + b_d * b_s), 0)  # Σ_{v≠y} e·z2
     if TAIL_SLOTS > 0:
         b_dc = tl.maximum(_to_row_max(b_mc, b_rc, b_mx, k2, FMA_FRAME), -256.0)
         b_wc = tl.exp2(b_dc)
-        b_so += tl.sum(b_wc * b_sc, 0)
-        b_to += tl.sum(b_wc * (b_tc + b_dc * b_sc), 0)
+        b_soc, b_toc = tl.reduce((b_wc * b_sc, b_wc * (b_tc + b_dc * b_sc)), 0, _add_pair)
+        b_so += b_soc
+        b_to += b_toc
     b_zy = (x_y - b_mx) * k2
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
