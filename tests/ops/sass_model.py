@@ -305,3 +305,34 @@ def pipelined_lead(code: list[Instr], loop: tuple[int, int]) -> float | None:
     k = int(m.group(1), 0) if m else 0
     f = ((copies[0] - waits[0]) % len(common)) / len(common)
     return k + 1 - f
+
+
+def row_regions(code: list[Instr], seq: list[int], times: list[float], start: int, end: int,
+                share: int) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Where the cycles of one walked row (positions start..end of `seq`, timed by `simulate`) go, by region: the
+    row's code before its first tile loop ("setup"), each tile loop ("pass 1", "pass 2"; "tiles" for a one-pass
+    kernel), the code between them ("between") and after the last ("end"). Per region: "issue" (the CTA's warps'
+    turns, `share` cycles an instruction), "stall" (stall counts beyond that) and "wait" (for a scoreboard, a copy
+    group or a barrier)."""
+    st = structure(code)
+    loops = st.tile_loops
+    names = ["pass 1", "pass 2"] if len(loops) == 2 else ["tiles"] * len(loops)
+
+    def region(i: int) -> str:
+        for (a, b), name in zip(loops, names, strict=True):
+            if a <= i <= b:
+                return name
+        if i < loops[0][0]:
+            return "setup"
+        return "between" if i < loops[-1][0] else "end"
+
+    out: dict[str, dict[str, float]] = {}
+    ready = times[start]
+    for pos in range(start, end):
+        c = code[seq[pos]]
+        cell = out.setdefault(region(seq[pos]), {"issue": 0.0, "stall": 0.0, "wait": 0.0})
+        cell["wait"] += times[pos] - ready
+        cell["issue"] += share
+        cell["stall"] += max(c.stall, share) - share
+        ready = times[pos] + max(c.stall, share)
+    return out

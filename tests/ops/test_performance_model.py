@@ -187,7 +187,7 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[i
     timelines = compiled.setdefault("timelines", {})  # the same compile at the same trips: walked once
     if key not in timelines:
         timelines[key] = _timeline(compiled, trips, rows_per_program, miss, clock, two_pass)
-    row_cycles, per_row, loop_instr, leads = timelines[key]
+    row_cycles, per_row, loop_instr, leads, regions = timelines[key]
     warps = compiled["num_warps"]
     busy = min(resident, sms)
     floor = row_bytes * row["dram"]
@@ -200,6 +200,7 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[i
         "outside_loops": per_row["issue"] - loop_instr,
         "leads": leads,
         "row_cycles": row_cycles,
+        "row_regions": regions,
         "full_issue": rate(per_row["issue"], sass_model.ISSUE_PER_CLK),
         "full_mufu": rate(per_row["mufu"], mufu_per_clk),
         "full_alu": rate(per_row["alu"], sass_model.ALU_PER_CLK),
@@ -225,7 +226,7 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     def latency(i: int) -> float:
         return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
 
-    times = sass_model.simulate(code, seq, max(1, compiled["num_warps"] // 4), latency, off)
+    times = sass_model.simulate(code, seq, max(1, compiled["num_warps"] // 4), latency, off)  # per position
     ends = [*starts[1:], len(seq)]
     setup_t, first_t = times[starts[0]], times[ends[0]] - times[starts[0]]
     steady_t = (times[ends[-1]] - times[ends[0]]) / (simulated - 1) if simulated > 1 else first_t
@@ -234,7 +235,10 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     setup = sass_model.pipe_counts(code, seq[: starts[0]])
     per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
     loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops))
-    return row_cycles, per_row, loop_instr, [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
+    leads = [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
+    share = max(1, compiled["num_warps"] // 4)
+    regions = sass_model.row_regions(code, seq, times, starts[-1], ends[-1], share)
+    return row_cycles, per_row, loop_instr, leads, regions
 
 
 def print_full_model(
@@ -258,6 +262,23 @@ def print_full_model(
             f"{leads:>10}{m['full_issue'] / 1e12:>7.2f}{m['full_mufu'] / 1e12:>7.2f}{m['full_alu'] / 1e12:>7.2f}"
             f"{m['full_latency'] / 1e12:>8.2f}{m['full_dram'] / 1e12:>7.2f}{m['full_min'] / 1e12:>7.2f}  {m['binding']}"
         )
+
+
+def print_row_timeline(rows: list[dict], device: str, copy: float = COPY_BANDWIDTH,
+                       clock: float = SUSTAINED_CLOCK) -> None:  # fmt: skip
+    """Where a steady row of the fused kernel spends its cycles on the timeline (sass_model.row_regions), against the
+    cycles a row may take at the copy rate with the resident programs (predictions)."""
+    print(f"\nFused kernel's row timeline, {device} (cycles per row; issue + stall + wait per region)")
+    for m in rows:
+        if m["kernel"] != FUSED:
+            continue
+        budget = m["resident"] * m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]] * 2 * clock / copy
+        parts = ", ".join(
+            f"{name} {sum(c.values()):.0f} ({c['issue']:.0f}+{c['stall']:.0f}+{c['wait']:.0f})"
+            for name, c in m["row_regions"].items()
+        )
+        print(f"  {m['dtype']} V={m['vocab']}: {sum(sum(c.values()) for c in m['row_regions'].values()):.0f} "
+              f"(copy rate: {budget:.0f}): {parts}")  # fmt: skip
 
 
 def print_model(rows: list[dict]) -> None:
@@ -359,6 +380,7 @@ def model(request, aot_cache) -> list[dict]:
     for device, _, _ in DEVICES:
         print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
         print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")
+        print_row_timeline([m for m in out if m["device"] == device and m["grid_mode"] == "default"], device)
     return out
 
 
