@@ -246,6 +246,7 @@ def _scan_tile(
 
 @triton.jit
 def _add_pair(a0, a1, b0, b1):
+    """The combine of a reduction of two sums at once (`tl.reduce` over a pair)."""
     return a0 + b0, a1 + b1
 
 

@@ -226,7 +226,8 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     def latency(i: int) -> float:
         return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
 
-    times = sass_model.simulate(code, seq, max(1, compiled["num_warps"] // 4), latency, off)  # per position
+    share = max(1, compiled["num_warps"] // 4)  # the CTA's warps per scheduler
+    times = sass_model.simulate(code, seq, share, latency, off)
     ends = [*starts[1:], len(seq)]
     setup_t, first_t = times[starts[0]], times[ends[0]] - times[starts[0]]
     steady_t = (times[ends[-1]] - times[ends[0]]) / (simulated - 1) if simulated > 1 else first_t
@@ -236,7 +237,6 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
     loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops))
     leads = [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
-    share = max(1, compiled["num_warps"] // 4)
     regions = sass_model.row_regions(code, seq, times, starts[-1], ends[-1], share)
     return row_cycles, per_row, loop_instr, leads, regions
 
