@@ -307,15 +307,13 @@ def pipelined_lead(code: list[Instr], loop: tuple[int, int]) -> float | None:
     return k + 1 - f
 
 
-def row_regions(code: list[Instr], seq: list[int], times: list[float], start: int, end: int,
-                share: int) -> dict[str, dict[str, float]]:  # fmt: skip
+def row_regions(code: list[Instr], loops: list[tuple[int, int]], seq: list[int], times: list[float], start: int,
+                end: int, share: int) -> dict[str, dict[str, float]]:  # fmt: skip
     """Where the cycles of one walked row (positions start..end of `seq`, timed by `simulate`) go, by region: the
     row's code before its first tile loop ("setup"), each tile loop ("pass 1", "pass 2"; "tiles" for a one-pass
     kernel), the code between them ("between") and after the last ("end"). Per region: "issue" (the CTA's warps'
     turns, `share` cycles an instruction), "stall" (stall counts beyond that) and "wait" (for a scoreboard, a copy
-    group or a barrier)."""
-    st = structure(code)
-    loops = st.tile_loops
+    group or a barrier). `loops`: the tile loops (`structure`)."""
     names = ["pass 1", "pass 2"] if len(loops) == 2 else ["tiles"] * len(loops)
 
     def region(i: int) -> str:

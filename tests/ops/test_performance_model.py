@@ -237,7 +237,7 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
     loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops))
     leads = [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
-    regions = sass_model.row_regions(code, seq, times, starts[-1], ends[-1], share)
+    regions = sass_model.row_regions(code, st.tile_loops, seq, times, starts[-1], ends[-1], share)
     return row_cycles, per_row, loop_instr, leads, regions
 
 
@@ -272,7 +272,8 @@ def print_row_timeline(rows: list[dict], device: str, copy: float = COPY_BANDWID
     for m in rows:
         if m["kernel"] != FUSED:
             continue
-        budget = m["resident"] * m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]] * 2 * clock / copy
+        floor = m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]] * m["dram"]  # as row_model counts it
+        budget = m["resident"] * floor * clock / copy
         parts = ", ".join(
             f"{name} {sum(c.values()):.0f} ({c['issue']:.0f}+{c['stall']:.0f}+{c['wait']:.0f})"
             for name, c in m["row_regions"].items()

@@ -604,7 +604,7 @@ def test_wide_fused_plan_rows(vocab):
     gen = torch.Generator().manual_seed(vocab)
     values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
     values[0, 0, 7] += 40.0
-    x = make_logits(values, torch.bfloat16, "contiguous")  # V odd: HEAD rows, realigned to 16 elements
+    x = make_logits(values, torch.bfloat16, "contiguous")  # V odd: HEAD rows, realigned to 16 elements; else ALIGNED
     assert not triton_logits._scalar_rows(x)
     ids = torch.tensor([[vocab - 2, 16390]], device=DEVICE)
     cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
