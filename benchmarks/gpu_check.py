@@ -6,7 +6,8 @@ every result written as soon as it exists. One try of at most 7 minutes, wheel i
 | env | 45 | the carried wheels; versions, device, L2; copy and matmul ceilings; our kernels compiled for the headline |
 | kernel_tests | 90 | tests/test_gpu.py: the kernels against the float64 oracle on the real device |
 | loss_headline | 90+ | the loss table's headline shape (bf16, V=151936, B·T=16384): ours first, compile last |
-| l2 | 45 | single launches: the fused kernel on both grids, stats, grad, a copy, a cold/warm control |
+| l2 | 45 | single launches: the fused kernel on both grids, stats, grad, a copy, a cold/warm control; the |
+| | | pipeline schedules; the fused kernel's pass 2 in its order and in row order |
 | linear_headline | 55 | the fused-linear table's headline shape (B·T=8192, H=4096, V=151936) |
 | loss_rest | 25+ | the loss table's other shapes, while time remains |
 | linear_rest | 10+ | the fused-linear table's other shapes, while time remains |
@@ -86,6 +87,9 @@ DRY_L2_SHAPES = [("fp32", 64, 8)]
 # narrow plan changes row_stats, 8 warps in place of 16, and the fused kernel, tiles of 16384 in place of 8192).
 SCHEDULE_SHAPES, DRY_SCHEDULE_SHAPES = [("bf16", 151936, 16384)], [("fp32", 64, 8)]
 SCHEDULES = ((1, False), (3, False), (3, True))
+# Then, last (its row-order compile is the phase's one extra), the fused kernel's pass 2 in the launcher's order
+# against row order (triton_logits.PASS2_WINDOW = 1), where the two differ: 132 bf16 rows of 262144 exceed L2.
+ORDER_SHAPES, DRY_ORDER_SHAPES = [("bf16", 262144, 16384)], [("fp32", 64, 8)]
 SUPERVISOR_MARGIN_S = 15  # the loss table's own budget stops it this long before its phase is killed
 # A loss contender still running after this long (a hang) costs its own row, not the ones after it; a cold inductor
 # compile of the headline's graph takes 20-60 s.
@@ -218,6 +222,65 @@ def measure_l2(results: Path, dry: bool) -> None:
     schedules = "\n".join(schedules_markdown(sched) for sched in payload["schedules"])
     harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload) + "\n" + schedules)
     print(schedules, flush=True)
+    payload["pass2_orders"] = [measure_pass2_orders(*shape, device, dry)
+                               for shape in (DRY_ORDER_SHAPES if dry else ORDER_SHAPES)]  # fmt: skip
+    harness.write_json(stem.with_suffix(".json"), payload)
+    orders = "\n".join(orders_markdown(o) for o in payload["pass2_orders"])
+    harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload) + "\n" + schedules + "\n" + orders)
+    print(orders, flush=True)
+
+
+def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
+    """Median time and floor-traffic rate of fused_token_grad on its default grid with pass 2 in the launcher's
+    order (the row's last `pass2_window` share first) and in row order; a row that fails says why."""
+    import torch
+
+    from benchmarks.lib.traffic import _timed
+    from benchmarks.lib.workload import DTYPES, LOGIT_STD, Workload, split_tokens
+    from grpo_kernels.ops import triton_logits as tk
+
+    batch, length = split_tokens(tokens)
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.empty(batch, length, vocab, dtype=DTYPES[dtype_name], device=device)
+    x.normal_(0.0, LOGIT_STD, generator=gen)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen, device=device)
+    out = torch.empty_like(x)
+    logp = tk.row_stats(x, ids, 1.0)[0].float()
+    fused = {"advantages": torch.randn(batch, 1, generator=gen, device=device).expand(batch, length),
+             "old_logp": logp, "ref_logp": logp - 0.1, "rho": None,
+             "weight": torch.full((batch, length), 1.0 / tokens, device=device), "entropy_weight": None,
+             "cfg": Workload().config()}  # fmt: skip
+    nbytes = 2 * x.numel() * x.element_size()
+    rows = []
+    saved = tk.PASS2_WINDOW
+    try:
+        for share in (None, 1.0):
+            tk.PASS2_WINDOW = share
+            block_v, warps = tk._block_config(vocab, False, tk._narrow_plan(x, "fused"))
+            tiles = tk._pass2_tiles(vocab, x.element_size(), block_v, warps, *tk._device_caps_of(x.device))
+            row: dict[str, Any] = {"order": "launcher's" if share is None else "row order", "window_tiles": tiles,
+                                   "tiles": -(-vocab // block_v), "bytes": nbytes}  # fmt: skip
+            try:
+                reps = (1, 0) if dry else (5, 2)
+                t = _timed(lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused), device, *reps)
+                row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
+            except Exception as e:  # noqa: BLE001 - a row that fails says why, the other still runs
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+    finally:
+        tk.PASS2_WINDOW = saved
+    return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
+
+
+def orders_markdown(orders: dict[str, Any]) -> str:
+    lines = [f"## Pass 2's order (fused_token_grad, {orders['dtype']}, V = {orders['V']}, B·T = {orders['BT']})", "",
+             "| order | first tiles of pass 2 | median ms | GB/s of floor traffic |",
+             "| --- | --- | ---: | ---: |"]  # fmt: skip
+    for r in orders["rows"]:
+        head = f"| {r['order']} | the last {r['window_tiles']} of {r['tiles']} |"
+        lines.append(f"{head} error: {r['error']} | |" if "error" in r else
+                     f"{head} {r['time_ms']['median']:.3f} | {r['GBps']:.0f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:

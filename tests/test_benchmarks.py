@@ -322,6 +322,10 @@ def _check_l2(payload: dict) -> None:
     assert rows["row_stats"]["bytes"] == shape["S_bytes"] and rows["row_grad"]["bytes"] == 2 * shape["S_bytes"]
     programs = [r["programs"] for n, r in fused.items() if r["status"] == "ok"]
     assert programs and all(p == [shape["BT"]] for p in programs), programs  # the interpreter: a program per row
+    (orders,) = payload["pass2_orders"]  # the fused kernel's pass 2 in the launcher's order, then in row order
+    assert [r["order"] for r in orders["rows"]] == ["launcher's", "row order"], orders
+    assert all("error" not in r and r["time_ms"]["median"] > 0 and r["GBps"] > 0 for r in orders["rows"]), orders
+    assert orders["rows"][1]["window_tiles"] == orders["rows"][1]["tiles"], orders  # row order: the whole row
 
 
 @needs_interpreter

@@ -25,6 +25,7 @@ Precision (docs/loss.md: fp32 results within 1e-5 of float64, bf16/fp16 gradient
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import numpy as np
@@ -394,12 +395,23 @@ def _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME: tl.constexpr):
 
 
 @triton.jit
+def _pass2_tile(j, first, nt, ROTATE: tl.constexpr):
+    """The tile pass 2 takes j-th of the row's nt: ROTATE from tile `first` to the row's last, then from its first
+    (`pass2_window`: the tiles pass 1 read last are re-read first, while L2 still holds them); else tile j."""
+    if ROTATE:
+        i = j + first
+        return tl.where(i >= nt, i - nt, i)
+    return j
+
+
+@triton.jit
 def _row_grad_store(
     p_a,
     p_oa,
     y_a,
     n,
     shift,
+    window,
     k2,
     inv_tau,
     b_mx,
@@ -419,12 +431,14 @@ def _row_grad_store(
     HEAD: tl.constexpr,
     WORDS: tl.constexpr,
     FMA_FRAME: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile, over [shift, n) from the aligned
     bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is
     read before it is written, so the out may be the logits themselves. A row with g = h = 0 (a masked token) takes one
     uniform branch that stores zeros without reading its logits, so a NaN row stays out of the gradient (the RowBackend
-    contract). Loads and stores stream past L2 (evict_first): nothing reads them again soon."""
+    contract). Loads and stores stream past L2 (evict_first): nothing reads them again soon. ROTATE: the full tiles
+    in the order of `_pass2_tile`, the row's last `window` of them first (the ragged tail tile stays where it is)."""
     o_b = _tile_offsets(SLOTS, VEC)
     b_live = b_g != 0.0
     if HAS_ENT:
@@ -443,7 +457,10 @@ def _row_grad_store(
             b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
         b_rx, b_lr, b_gr = _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME)
         if TAIL_SLOTS == 0:  # every tile pipelined, the last one overlapping: its head is not stored again
-            for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=NUM_STAGES):
+            nt = tl.cdiv(n, BLOCK_V)
+            first = tl.maximum(nt - window, 0)
+            for j in tl.range(0, nt, num_stages=NUM_STAGES):
+                i = _pass2_tile(j, first, nt, ROTATE)
                 v0 = _overlapped_start(i, n, BLOCK_V)
                 b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
                 b_d = _grad_tile(
@@ -453,12 +470,23 @@ def _row_grad_store(
         else:
             if VECTORS:
                 b_wt = _load_tail(p_a + v_full, n - v_full, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
-            for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
-                b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-                b_d = _grad_tile(
-                    b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
-                )
-                _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
+            if ROTATE:
+                nt = v_full // BLOCK_V
+                first = tl.maximum(nt - window, 0)
+                for j in tl.range(0, nt, num_stages=NUM_STAGES):
+                    v0 = tl.multiple_of(_pass2_tile(j, first, nt, ROTATE) * BLOCK_V, BLOCK_V)
+                    b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
+                    b_d = _grad_tile(
+                        b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
+                    )
+                    _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
+            else:  # (this loop's form: the tile index loop above spills the plain path's gradient at 255 registers)
+                for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
+                    b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
+                    b_d = _grad_tile(
+                        b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
+                    )
+                    _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
             if VECTORS:
                 _tail_grad_store(
                     b_wt, p_oa, v_full, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
@@ -719,9 +747,9 @@ def row_grad_kernel(
             b_xy = tl.load(x_ptr + o_x + y, mask=(y >= 0) & (y < V), other=float("-inf")).to(tl.float32)
             b_zy = (b_xy - b_mx) * k2
         _row_grad_store(
-            x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
-            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
-            FMA_FRAME,
+            x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, 0, k2, inv_tau, b_mx, b_log2s, b_zy, b_q,
+            b_c2, b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
+            FMA_FRAME, False,
         )  # fmt: skip
 
 
@@ -902,11 +930,12 @@ def _token_coef(
         **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
+        "ROTATE": lambda a: a["window"] < -(-a["V"] // a["BLOCK_V"]),  # else row order, without the index's cost
     }
 )
 @triton.jit(
     do_not_specialize=[
-        "N", "T", "stride_xb", "stride_xt", "stride_ob", "stride_ot", "stride_yb", "stride_yt",
+        "N", "T", "window", "stride_xb", "stride_xt", "stride_ob", "stride_ot", "stride_yb", "stride_yt",
         "stride_ab", "stride_at", "stride_oldb", "stride_oldt", "stride_refb", "stride_reft",
         "stride_rhob", "stride_rhot", "stride_wb", "stride_wt", "stride_hwb", "stride_hwt",
     ]
@@ -926,6 +955,7 @@ def fused_token_grad_fwd_kernel(
     N,
     T,
     V,
+    window,  # pass 2 starts with the row's last `window` full tiles (`pass2_window`)
     stride_xb,
     stride_xt,
     stride_ob,
@@ -971,6 +1001,7 @@ def fused_token_grad_fwd_kernel(
     VECTORS: tl.constexpr,
     FMA_FRAME: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     # Each row's id and per-token inputs are loaded a row ahead, just before the previous row's pass 2, where
     # nothing waits on a load (in the SASS the first use of a load waits for every load issued before it), so
@@ -1040,9 +1071,9 @@ def fused_token_grad_fwd_kernel(
                 stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
             )  # fmt: skip
         _row_grad_store(
-            x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, k2, inv_tau, b_mx, b_log2s, b_zy, b_q, b_c2,
-            b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
-            FMA_FRAME,
+            x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, window, k2, inv_tau, b_mx, b_log2s, b_zy,
+            b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
+            FMA_FRAME, ROTATE,
         )  # fmt: skip
 
 
@@ -1155,6 +1186,11 @@ FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time bot
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"
 NARROW_16BIT: bool | None = None  # False: 16-bit rows keep the wide plans; None: the variable, else on
 NARROW_16BIT_VARIABLE = "GRPO_KERNELS_NARROW_16BIT"
+# The fused kernel's pass 2 starts with the last `pass2_window` share of the row's tiles, the ones pass 1 read last,
+# then wraps to the row's start (`_pass2_tile`). 1 is plain row order. None: the variable, else the rows in flight's
+# share that L2 keeps.
+PASS2_WINDOW: float | None = None
+PASS2_WINDOW_VARIABLE = "GRPO_KERNELS_PASS2_WINDOW"
 
 
 def fused_grid_mode() -> str | None:
@@ -1163,6 +1199,34 @@ def fused_grid_mode() -> str | None:
     if mode not in (None, "sms", "l2"):
         raise ValueError(f"{FUSED_GRID_VARIABLE} (or triton_logits.FUSED_GRID) must be 'sms' or 'l2', got {mode!r}")
     return mode
+
+
+def pass2_window(rows_in_flight: int, row_bytes: int, l2_bytes: int) -> float:
+    """The share of a row's tiles the fused kernel's pass 2 takes first, from the row's end: `PASS2_WINDOW`, else
+    the GRPO_KERNELS_PASS2_WINDOW variable (a number in (0, 1], so that a GPU can time the orders), else the
+    model's: min(1, 2·L2_FRACTION·L2 / rows in flight). A tile pass 1 read at share q of its row and pass 2
+    re-reads at share p of its pass waits for (1 − q + p) half-rows of every program's pass-1 reads. Those the
+    window takes first wait the window's share of them, all alike, so under LRU every one of them still finds its
+    line while that fits the L2 budget: 1 (row order) where the rows in flight fit L2, a share of the row where
+    they do not (row order would find none of them there). docs/performance.md has the trade."""
+    value = PASS2_WINDOW if PASS2_WINDOW is not None else os.environ.get(PASS2_WINDOW_VARIABLE)
+    if value is None or value == "":
+        return min(1.0, 2 * L2_FRACTION * l2_bytes / max(1, rows_in_flight * row_bytes))
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = float("nan")
+    if not 0 < share <= 1:
+        raise ValueError(f"{PASS2_WINDOW_VARIABLE} (or triton_logits.PASS2_WINDOW) must be in (0, 1], got {value!r}")
+    return share
+
+
+def _pass2_tiles(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int) -> int:
+    """The fused kernel's pass-2 window (`pass2_window`) in whole tiles, within the share: for the rows in flight
+    of its grid on this device (the interpreter's one program per row plans as the GPU would)."""
+    in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, num_warps, fused_grid_mode())
+    share = pass2_window(in_flight, vocab * elem_bytes, l2_bytes)
+    return max(1, math.floor(share * -(-vocab // block_v)))
 
 
 def tiles_in_flight() -> int:
@@ -1462,11 +1526,12 @@ def fused_token_grad(
     rows = batch * length
     block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out), _narrow_plan(logits, "fused"))
     grid = (_num_programs(rows, logits, True, num_warps),)
+    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device))
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)
     fused_token_grad_fwd_kernel[grid](
         logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, rho, weight, entropy_weight,
-        rows, length, vocab,
+        rows, length, vocab, window,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
         *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(rho),
         *_strides(weight), *_strides(entropy_weight),

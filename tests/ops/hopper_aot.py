@@ -269,6 +269,9 @@ def _specialize(cfg: dict) -> dict:
     for name, value in saved.items():
         setattr(module, name, device[name] if device[name] is not None else value)
     try:
+        if "window" in jit.arg_names:  # the fused kernel's pass-2 window, as its launcher computes it
+            probe["window"] = module._pass2_tiles(vocab, ELEMENT_BYTES[dtype], block_v, num_warps,
+                                                  module.REFERENCE_SMS, module.REFERENCE_L2_BYTES)  # fmt: skip
         for name, heur in getattr(kernel, "values", {}).items():  # in order: later heuristics see earlier ones
             if name in flags:
                 continue

@@ -611,6 +611,44 @@ def test_wide_fused_plan_rows(vocab):
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
 
 
+@pytest.mark.parametrize("share", [0.01, 0.45, 1.0])  # pass 2 from the row's last tile, from mid-row, in row order
+@pytest.mark.parametrize(("vocab", "layout"), [(336, "contiguous"), (331, "contiguous"), (300, "vocab_offset")])
+def test_fused_pass2_window(share, vocab, layout, monkeypatch):
+    """Pass 2 in each order `pass2_window` can give, written over the logits themselves and into a fresh buffer: 11
+    tiles of 32, the last overlapping the one before (V = 336), ending in a masked tail (331, HEAD rows) or read
+    logit by logit (vocab_offset: rows 2 or 4 bytes past 16). The targets sit in the row's first and last tiles."""
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
+    monkeypatch.setattr(triton_logits, "PASS2_WINDOW", share)
+    gen = torch.Generator().manual_seed(vocab)
+    values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
+    values[0, 1, 40] += 20.0  # the row's max in the second tile
+    ids = torch.tensor([[vocab - 1, 3]], device=DEVICE)
+    cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
+    for dtype in DTYPES:
+        x = make_logits(values, dtype, layout)
+        assert triton_logits._scalar_rows(x) == (layout == "vocab_offset")
+        run_fused(x.clone(), ids, cfg, token_inputs(1, 2, gen))
+        run_fused(x, ids, cfg, token_inputs(1, 2, gen), out=x)
+
+
+def test_pass2_window_switch(monkeypatch):
+    """GRPO_KERNELS_PASS2_WINDOW (or triton_logits.PASS2_WINDOW) sets the share of the row pass 2 takes first;
+    by default 1 (row order) while the rows in flight fit L2, else the share of them 2·L2_FRACTION of L2 holds;
+    anything outside (0, 1] is refused, naming the variable."""
+    monkeypatch.delenv(triton_logits.PASS2_WINDOW_VARIABLE, raising=False)
+    l2 = 50 << 20
+    assert triton_logits.pass2_window(132, 300_000, l2) == 1.0  # 37.8 MiB in flight
+    assert triton_logits.pass2_window(132, 600_000, l2) == pytest.approx(2 * triton_logits.L2_FRACTION * l2 / 79.2e6)
+    monkeypatch.setenv(triton_logits.PASS2_WINDOW_VARIABLE, "0.25")
+    assert triton_logits.pass2_window(132, 300_000, l2) == 0.25
+    monkeypatch.setattr(triton_logits, "PASS2_WINDOW", 1)  # the attribute wins over the variable
+    assert triton_logits.pass2_window(132, 600_000, l2) == 1.0
+    for bad in (0, 1.5, "half", float("nan")):
+        monkeypatch.setattr(triton_logits, "PASS2_WINDOW", bad)
+        with pytest.raises(ValueError, match="GRPO_KERNELS_PASS2_WINDOW"):
+            triton_logits.pass2_window(132, 300_000, l2)
+
+
 def test_narrow_16bit_switch(monkeypatch):
     """GRPO_KERNELS_NARROW_16BIT (or triton_logits.NARROW_16BIT) turns the narrow 16-bit plans off ("0") or on;
     fp32 rows never take them; anything else is refused, naming the variable."""
