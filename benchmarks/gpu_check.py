@@ -233,24 +233,10 @@ def measure_l2(results: Path, dry: bool) -> None:
 def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
     """Median time and floor-traffic rate of fused_token_grad on its default grid with pass 2 in the launcher's
     order (the row's last `pass2_window` share first) and in row order; a row that fails says why."""
-    import torch
-
-    from benchmarks.lib.traffic import _timed
-    from benchmarks.lib.workload import DTYPES, LOGIT_STD, Workload, split_tokens
     from grpo_kernels.ops import triton_logits as tk
 
-    batch, length = split_tokens(tokens)
-    gen = torch.Generator(device).manual_seed(0)
-    x = torch.empty(batch, length, vocab, dtype=DTYPES[dtype_name], device=device)
-    x.normal_(0.0, LOGIT_STD, generator=gen)
-    ids = torch.randint(0, vocab, (batch, length), generator=gen, device=device)
-    out = torch.empty_like(x)
-    logp = tk.row_stats(x, ids, 1.0)[0].float()
-    fused = {"advantages": torch.randn(batch, 1, generator=gen, device=device).expand(batch, length),
-             "old_logp": logp, "ref_logp": logp - 0.1, "rho": None,
-             "weight": torch.full((batch, length), 1.0 / tokens, device=device), "entropy_weight": None,
-             "cfg": Workload().config()}  # fmt: skip
-    nbytes = 2 * x.numel() * x.element_size()
+    kernels, x = _row_kernels(dtype_name, vocab, tokens, device)
+    nbytes, fn = kernels["fused_token_grad"]
     rows = []
     saved = tk.PASS2_WINDOW
     try:
@@ -258,38 +244,25 @@ def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, 
             tk.PASS2_WINDOW = share
             block_v, warps = tk._block_config(vocab, False, tk._narrow_plan(x, "fused"))
             tiles = tk._pass2_tiles(vocab, x.element_size(), block_v, warps, *tk._device_caps_of(x.device))
-            row: dict[str, Any] = {"order": "launcher's" if share is None else "row order", "window_tiles": tiles,
-                                   "tiles": -(-vocab // block_v), "bytes": nbytes}  # fmt: skip
-            try:
-                reps = (1, 0) if dry else (5, 2)
-                t = _timed(lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused), device, *reps)
-                row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
-            except Exception as e:  # noqa: BLE001 - a row that fails says why, the other still runs
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
+            row = {"order": "launcher's" if share is None else "row order", "window_tiles": tiles,
+                   "tiles": -(-vocab // block_v)}  # fmt: skip
+            rows.append(_timed_row(row, nbytes, fn, device, dry))
     finally:
         tk.PASS2_WINDOW = saved
     return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
 
 
 def orders_markdown(orders: dict[str, Any]) -> str:
-    lines = [f"## Pass 2's order (fused_token_grad, {orders['dtype']}, V = {orders['V']}, B·T = {orders['BT']})", "",
-             "| order | first tiles of pass 2 | median ms | GB/s of floor traffic |",
-             "| --- | --- | ---: | ---: |"]  # fmt: skip
-    for r in orders["rows"]:
-        head = f"| {r['order']} | the last {r['window_tiles']} of {r['tiles']} |"
-        lines.append(f"{head} error: {r['error']} | |" if "error" in r else
-                     f"{head} {r['time_ms']['median']:.3f} | {r['GBps']:.0f} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    title = f"Pass 2's order (fused_token_grad, {orders['dtype']}, V = {orders['V']}, B·T = {orders['BT']})"
+    cells = [f"{r['order']} | the last {r['window_tiles']} of {r['tiles']}" for r in orders["rows"]]
+    return _timed_rows_markdown(title, "order | first tiles of pass 2", "--- | ---", orders["rows"], cells)
 
 
-def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
-    """Median time and floor-traffic rate of row_stats, row_grad and fused_token_grad under each SCHEDULES entry
-    (triton_logits.TILES_IN_FLIGHT, the least tiles in flight per program, and triton_logits.NARROW_16BIT, the
-    16-bit rows' narrow plans); a row that fails says why."""
+def _row_kernels(dtype_name: str, vocab: int, tokens: int, device: str) -> tuple[dict[str, tuple[int, Any]], Any]:
+    """({name: (floor bytes, launch)} of row_stats, row_grad and fused_token_grad, the logits) over one seeded
+    workload."""
     import torch
 
-    from benchmarks.lib.traffic import _timed
     from benchmarks.lib.workload import DTYPES, LOGIT_STD, Workload, split_tokens
     from grpo_kernels.ops import triton_logits as tk
 
@@ -311,36 +284,56 @@ def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry
         "row_grad": (2 * size, lambda: tk.row_grad(x, ids, state, g, None, 1.0, out)),
         "fused_token_grad": (2 * size, lambda: tk.fused_token_grad(x, ids, 1.0, out=out, **fused)),
     }
+    return kernels, x
+
+
+def _timed_row(row: dict[str, Any], nbytes: int, fn: Any, device: str, dry: bool) -> dict[str, Any]:
+    """`row` with the median time of `fn` and its rate of `nbytes` floor traffic, or why it failed."""
+    from benchmarks.lib.traffic import _timed
+
+    row["bytes"] = nbytes
+    try:
+        t = _timed(fn, device, *((1, 0) if dry else (5, 2)))
+        row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
+    except Exception as e:  # noqa: BLE001 - a row that fails says why, the others still run
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def _timed_rows_markdown(title: str, head: str, rule: str, rows: list[dict[str, Any]], cells: list[str]) -> str:
+    lines = [f"## {title}", "", f"| {head} | median ms | GB/s of floor traffic |", f"| {rule} | ---: | ---: |"]
+    for r, cell in zip(rows, cells, strict=True):
+        timed = f"error: {r['error']} | " if "error" in r else f"{r['time_ms']['median']:.3f} | {r['GBps']:.0f}"
+        lines.append(f"| {cell} | {timed} |")
+    return "\n".join(lines) + "\n"
+
+
+def measure_schedules(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
+    """Median time and floor-traffic rate of row_stats, row_grad and fused_token_grad under each SCHEDULES entry
+    (triton_logits.TILES_IN_FLIGHT, the least tiles in flight per program, and triton_logits.NARROW_16BIT, the
+    16-bit rows' narrow plans); a row that fails says why."""
+    from grpo_kernels.ops import triton_logits as tk
+
+    kernels, _ = _row_kernels(dtype_name, vocab, tokens, device)
     rows = []
     saved = tk.TILES_IN_FLIGHT, tk.NARROW_16BIT
     try:
         for count, narrow in SCHEDULES:
             tk.TILES_IN_FLIGHT, tk.NARROW_16BIT = count, narrow
             for name, (nbytes, fn) in kernels.items():
-                row: dict[str, Any] = {"kernel": name, "tiles_in_flight": count, "narrow_16bit": narrow,
-                                       "bytes": nbytes}  # fmt: skip
-                try:
-                    t = _timed(fn, device, *((1, 0) if dry else (5, 2)))
-                    row.update(time_ms=t, GBps=nbytes / (t["median"] / 1e3) / 1e9)
-                except Exception as e:  # noqa: BLE001 - a row that fails says why, the others still run
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
+                row = {"kernel": name, "tiles_in_flight": count, "narrow_16bit": narrow}
+                rows.append(_timed_row(row, nbytes, fn, device, dry))
     finally:
         tk.TILES_IN_FLIGHT, tk.NARROW_16BIT = saved
     return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
 
 
 def schedules_markdown(sched: dict[str, Any]) -> str:
-    lines = [f"## Pipeline schedules ({sched['dtype']}, V = {sched['V']}, B·T = {sched['BT']})", "",
-             "| kernel | tiles in flight | 16-bit plan | median ms | GB/s of floor traffic |",
-             "| --- | ---: | --- | ---: | ---: |"]  # fmt: skip
-    for r in sched["rows"]:
-        plan = f"| {r['kernel']} | {r['tiles_in_flight']} | {'narrow' if r.get('narrow_16bit') else 'wide'} |"
-        if "error" in r:
-            lines.append(f"{plan} error: {r['error']} | |")
-        else:
-            lines.append(f"{plan} {r['time_ms']['median']:.3f} | {r['GBps']:.0f} |")
-    return "\n".join(lines) + "\n"
+    title = f"Pipeline schedules ({sched['dtype']}, V = {sched['V']}, B·T = {sched['BT']})"
+    cells = [f"{r['kernel']} | {r['tiles_in_flight']} | {'narrow' if r.get('narrow_16bit') else 'wide'}"
+             for r in sched["rows"]]  # fmt: skip
+    return _timed_rows_markdown(title, "kernel | tiles in flight | 16-bit plan", "--- | ---: | ---", sched["rows"],
+                                cells)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
