@@ -1131,9 +1131,11 @@ def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tu
     `narrow`: "scan" for the statistics or shard-partials kernel over 2-byte logits, "fused" for the fused kernel
     over them (`_narrow_plan`), planned at 32 logits per thread on fewer warps per program and more programs per
     SM (`_programs_per_sm`): at 16384 < V <= 65536 tiles of 4096 over 4 warps (the row's serial start, reductions
-    and per-row code run by half the warps, and overlapped by 3-4 rows per SM); above, the scans keep 8 warps and
-    the fused kernel takes tiles of 16384 over 16, each tile's fixed work (its barriers, max, rescale, loop control)
-    shared by twice the logits of 16 (docs/performance.md)."""
+    and per-row code run by half the warps, and overlapped by 3-4 rows per SM), for the fused kernel only up to
+    V = 32768: above, three rows per SM would not fit L2 in pass 2, and two programs of 8 warps in tiles of 8192 (16
+    warps per SM) hide more than two of 4. Above 65536 the scans keep 8 warps and the fused kernel takes tiles of
+    16384 over 16, each tile's fixed work (its barriers, max, rescale, loop control) shared by twice the logits of
+    16 (docs/performance.md)."""
     if vocab <= 256:  # toy vocabularies: one warp is plenty
         return max(16, triton.next_power_of_2(vocab)), 1
     if vocab <= 1024:
@@ -1142,10 +1144,10 @@ def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tu
         return triton.next_power_of_2(vocab), 8
     if vocab <= 16384:  # 2-4 tiles of 4096
         return 4096, 8
-    if vocab <= 65536 and narrow and not scalar_rows:  # 5-16 tiles of 4096, 32 logits per thread, 4 warps
-        return 4096, 4
+    if vocab <= (32768 if narrow == "fused" else 65536) and narrow and not scalar_rows:
+        return 4096, 4  # 5-16 tiles of 4096 (the fused kernel: 5-8), 32 logits per thread, 4 warps
     if vocab <= 65536:  # Llama-2 (32000), Mistral (32768): 4 tiles of 8192, 32 logits per thread; GPT-2 (50257): 7
-        return 8192, 8
+        return 8192, 8  # (the fused kernel over 16-bit logits: two programs per SM, `_programs_per_sm`)
     if scalar_rows or narrow == "scan":  # the plain path's scalar loads: 16 warps leave too few
         return 8192, 8
     if narrow == "fused":  # one program per SM: each tile's barriers and fixed work shared by 32 logits per thread
@@ -1244,14 +1246,18 @@ def tiles_in_flight() -> int:
     return count
 
 
-def _programs_per_sm(num_warps: int, two_pass: bool) -> int:
+def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4) -> int:
     """Resident programs per SM the plan counts on. Single-pass kernels: 16 warps' worth, at least two (a third
     program of 8 or 16 warps would cap registers below what a pipelined tile of 16 or 32 logits per thread needs
     without spilling; four of 4 warps in the 16-bit scans' plan, whose rows in flight overlap each other's serial
-    start and reductions). The fused kernel: 12 warps' worth, at least one (its two tile loops and float64
-    log-ratio scalars need more than 128 registers at 32 logits per thread: one program of 8 or 16 warps, three of
-    4 warps in its 16-bit plan, at most 170 registers), and few rows in flight keep its L2 working set small."""
-    return max(2, 16 // num_warps) if not two_pass else max(1, 12 // num_warps)
+    start and reductions). The fused kernel, few rows in flight keeping its L2 working set small: over fp32
+    logits 12 warps' worth, at least one (its two tile loops and float64 log-ratio scalars need more than 128
+    registers at 32 fp32 logits per thread: one program of 8 or 16 warps); over 16-bit logits 16 warps' worth, at
+    most three (32 logits per thread are 16 registers of words: two programs of 8 warps fit 128 registers, three
+    of 4 warps at most 170)."""
+    if not two_pass:
+        return max(2, 16 // num_warps)
+    return max(1, min(3, 16 // num_warps)) if elem_bytes == 2 else max(1, 12 // num_warps)
 
 
 def _fused_grid(
@@ -1293,7 +1299,8 @@ def _grid_size(rows: int, vocab: int, elem_bytes: int, two_pass: bool, sms: int,
     shared memory allow). Two passes: `_fused_grid`."""
     if not two_pass:
         return max(1, rows)
-    return _fused_grid(rows, vocab * elem_bytes, elem_bytes, _programs_per_sm(num_warps, True), sms, l2_bytes, mode)
+    per_sm = _programs_per_sm(num_warps, True, elem_bytes)
+    return _fused_grid(rows, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
 
 
 def _pipeline(
@@ -1308,7 +1315,7 @@ def _pipeline(
     rows)."""
     tiles = -(-vocab // block_v)
     tile_bytes = block_v * elem_bytes
-    per_sm = _programs_per_sm(num_warps, two_pass)
+    per_sm = _programs_per_sm(num_warps, two_pass, elem_bytes)
     resident = per_sm * sms
     if two_pass:
         resident = _fused_grid(1 << 30, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
@@ -1341,6 +1348,10 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     if _device_arch(x.device) >= 100 and maxnreg <= 64 and x.element_size() == 4:
         # sm_100's ptxas spills a pipelined fp32 row at 64 registers (two 16-warp programs per SM): one program
         # per SM there, its tiles in flight (96 KiB) more than two programs' would be (test_performance_model.py).
+        maxnreg = _max_registers(num_warps, 1)
+    if _device_arch(x.device) >= 100 and two_pass and maxnreg <= 128 and args.get("HEAD"):
+        # and the fused kernel's realigned 16-bit rows (V = 50257: the tail tile held across the pass) in two 8-warp
+        # programs per SM at 128: one program per SM there
         maxnreg = _max_registers(num_warps, 1)
     return stages, maxnreg
 

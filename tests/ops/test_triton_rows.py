@@ -573,9 +573,14 @@ def test_shard_state_merged_then_row_grad(dtype):
 def test_16bit_plan_rows(vocab):
     """The 16-bit plan of the statistics, shard-partials and fused kernels past V = 16384: tiles of 4096 over 4 warps
     (5 tiles, the last overlapping or masked), against the oracle and the torch partials; the gradient kernel and
-    fp32 rows keep theirs; above V = 65536 the scans keep 8 warps, the fused kernel tiles of 16384 over 16."""
+    fp32 rows keep theirs; the fused kernel takes tiles of 8192 over 8 warps above V = 32768 and of 16384 over 16
+    above 65536, where the scans keep 4 warps, then 8."""
     assert triton_logits._block_config(vocab, False, "scan") == (4096, 4)
     assert triton_logits._block_config(vocab, False, "fused") == (4096, 4)
+    assert triton_logits._block_config(50257, False, "scan") == (4096, 4)
+    assert triton_logits._block_config(50257, False, "fused") == (8192, 8)
+    assert [triton_logits._programs_per_sm(w, True, 2) for w in (4, 8, 16)] == [3, 2, 1]
+    assert [triton_logits._programs_per_sm(w, True, 4) for w in (4, 8, 16)] == [3, 1, 1]
     assert triton_logits._block_config(vocab, False, "") == (8192, 8)
     assert triton_logits._block_config(151936, False, "scan") == (8192, 8)
     assert triton_logits._block_config(151936, False, "fused") == (16384, 16)
@@ -596,11 +601,15 @@ def test_16bit_plan_rows(vocab):
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
 
 
-@pytest.mark.parametrize("vocab", [65552, 65553])  # aligned (overlapping last tile) and realigned (masked tail)
-def test_wide_fused_plan_rows(vocab):
-    """The fused kernel's 16-bit plan past V = 65536, tiles of 16384 (5 of them: the last overlapping the one before
-    or masked), against the oracle, the target in the last tile and the row's max in the first."""
-    assert triton_logits._block_config(vocab, False, "fused") == (16384, 16)
+@pytest.mark.parametrize(
+    ("vocab", "plan"), [(32784, (8192, 8)), (32785, (8192, 8)), (65552, (16384, 16)), (65553, (16384, 16))]
+)  # aligned (overlapping last tile) and realigned (masked tail)
+def test_wide_fused_plan_rows(vocab, plan):
+    """The fused kernel's 16-bit plans past V = 32768, 5 tiles of 8192 over 8 warps (two programs per SM) and past
+    65536 of 16384 over 16 (one), the last tile overlapping the one before or masked, against the oracle, the target
+    in the last tile and the row's max in the first."""
+    assert triton_logits._block_config(vocab, False, "fused") == plan
+    assert triton_logits._programs_per_sm(plan[1], True, 2) == 16 // plan[1]
     gen = torch.Generator().manual_seed(vocab)
     values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
     values[0, 0, 7] += 40.0
