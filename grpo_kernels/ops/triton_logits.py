@@ -1223,10 +1223,11 @@ def pass2_window(rows_in_flight: int, row_bytes: int, l2_bytes: int) -> float:
     return share
 
 
-def _pass2_tiles(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int) -> int:
+def _pass2_tiles(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int,
+                 scalar: bool = False) -> int:  # fmt: skip
     """The fused kernel's pass-2 window (`pass2_window`) in whole tiles, within the share: for the rows in flight
     of its grid on this device (the interpreter's one program per row plans as the GPU would)."""
-    in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, num_warps, fused_grid_mode())
+    in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, num_warps, fused_grid_mode(), scalar)
     share = pass2_window(in_flight, vocab * elem_bytes, l2_bytes)
     return max(1, math.floor(share * -(-vocab // block_v)))
 
@@ -1246,7 +1247,7 @@ def tiles_in_flight() -> int:
     return count
 
 
-def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4) -> int:
+def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4, scalar: bool = False) -> int:
     """Resident programs per SM the plan counts on. Single-pass kernels: 16 warps' worth, at least two (a third
     program of 8 or 16 warps would cap registers below what a pipelined tile of 16 or 32 logits per thread needs
     without spilling; four of 4 warps in the 16-bit scans' plan, whose rows in flight overlap each other's serial
@@ -1254,10 +1255,10 @@ def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4) -> int
     logits 12 warps' worth, at least one (its two tile loops and float64 log-ratio scalars need more than 128
     registers at 32 fp32 logits per thread: one program of 8 or 16 warps); over 16-bit logits 16 warps' worth, at
     most three (32 logits per thread are 16 registers of words: two programs of 8 warps fit 128 registers, three
-    of 4 warps at most 170)."""
+    of 4 warps at most 170), but for `scalar` rows, read logit by logit, which spill at 128 (as fp32)."""
     if not two_pass:
         return max(2, 16 // num_warps)
-    return max(1, min(3, 16 // num_warps)) if elem_bytes == 2 else max(1, 12 // num_warps)
+    return max(1, min(3, 16 // num_warps)) if elem_bytes == 2 and not scalar else max(1, 12 // num_warps)
 
 
 def _fused_grid(
@@ -1294,12 +1295,12 @@ def _fused_time(grid: int, row_bytes: int, elem_bytes: int, sms: int, l2_bytes: 
 
 
 def _grid_size(rows: int, vocab: int, elem_bytes: int, two_pass: bool, sms: int, l2_bytes: int, num_warps: int = 16,
-               mode: str | None = None) -> int:  # fmt: skip
+               mode: str | None = None, scalar: bool = False) -> int:  # fmt: skip
     """Programs to launch. Single pass: one program per row (the hardware keeps as many resident as registers and
-    shared memory allow). Two passes: `_fused_grid`."""
+    shared memory allow). Two passes: `_fused_grid` (`scalar`: rows read logit by logit, `_programs_per_sm`)."""
     if not two_pass:
         return max(1, rows)
-    per_sm = _programs_per_sm(num_warps, True, elem_bytes)
+    per_sm = _programs_per_sm(num_warps, True, elem_bytes, scalar)
     return _fused_grid(rows, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
 
 
@@ -1377,13 +1378,13 @@ def _device_caps_of(device: torch.device) -> tuple[int, int]:
     return _device_caps(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _num_programs(rows: int, logits: torch.Tensor, two_pass: bool, num_warps: int = 16) -> int:
+def _num_programs(rows: int, logits: torch.Tensor, two_pass: bool, num_warps: int = 16, scalar: bool = False) -> int:
     """Grid size on the logits' device (`_grid_size`); under the interpreter one program per row."""
     if logits.device.type != "cuda":
         return rows
     mode = fused_grid_mode() if two_pass else None
     caps = _device_caps_of(logits.device)
-    return _grid_size(rows, logits.shape[-1], logits.element_size(), two_pass, *caps, num_warps, mode)
+    return _grid_size(rows, logits.shape[-1], logits.element_size(), two_pass, *caps, num_warps, mode, scalar)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1535,9 +1536,10 @@ def fused_token_grad(
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    block_v, num_warps = _block_config(vocab, _scalar_rows(logits, out), _narrow_plan(logits, "fused"))
-    grid = (_num_programs(rows, logits, True, num_warps),)
-    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device))
+    scalar = _scalar_rows(logits, out)
+    block_v, num_warps = _block_config(vocab, scalar, _narrow_plan(logits, "fused"))
+    grid = (_num_programs(rows, logits, True, num_warps, scalar),)
+    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar)
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)
     fused_token_grad_fwd_kernel[grid](

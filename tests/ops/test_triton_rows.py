@@ -581,6 +581,10 @@ def test_16bit_plan_rows(vocab):
     assert triton_logits._block_config(50257, False, "fused") == (8192, 8)
     assert [triton_logits._programs_per_sm(w, True, 2) for w in (4, 8, 16)] == [3, 2, 1]
     assert [triton_logits._programs_per_sm(w, True, 4) for w in (4, 8, 16)] == [3, 1, 1]
+    # the fused grid: two programs per SM of the 16-bit plan at 50257 (as many rows as fit L2), one of scalar rows
+    plan = (1 << 30, 50257, 2, True, triton_logits.REFERENCE_SMS, 50 << 20, 8, "sms")
+    assert triton_logits._grid_size(*plan) == 2 * triton_logits.REFERENCE_SMS
+    assert triton_logits._grid_size(*plan, scalar=True) == triton_logits.REFERENCE_SMS
     assert triton_logits._block_config(vocab, False, "") == (8192, 8)
     assert triton_logits._block_config(151936, False, "scan") == (8192, 8)
     assert triton_logits._block_config(151936, False, "fused") == (16384, 16)
