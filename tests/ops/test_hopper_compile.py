@@ -58,6 +58,10 @@ def _configs() -> list[dict]:
             out.append(config(f"fused {name} all", "fused_token_grad_fwd_kernel", dtype, vocab, every))
     every = {"LOSS": 0, "ALIGNED": False, **dict.fromkeys(FUSED_FLAGS, True)}
     out.append(config("fused clip all unaligned", "fused_token_grad_fwd_kernel", dtype, vocab, every))
+    # The fused 16-bit plan of two 8-warp programs per SM (V = 50257, realigned rows) without its options: the
+    # tightest fit under its 128-register cap.
+    plain = {"LOSS": 0, "ALIGNED": False, "HEAD": True, **dict.fromkeys(FUSED_FLAGS, False)}
+    out.append(config("fused clip plain 8 warps", "fused_token_grad_fwd_kernel", dtype, 50257, plain))
     # The fused-linear folds (ops/linear_folds_triton.py): fp32 logits tiles, the gradient in the GEMM dtype.
     for width in (200, 4096):
         out.append(config("linear stats", "linear_stats_fwd_kernel", "fp32", width, {}, "linear_folds_triton"))
