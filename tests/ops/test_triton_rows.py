@@ -644,6 +644,34 @@ def test_fused_pass2_window(share, vocab, layout, monkeypatch):
         run_fused(x, ids, cfg, token_inputs(1, 2, gen), out=x)
 
 
+@pytest.mark.parametrize(
+    ("vocab", "share", "fresh"), [(256, 3 / 8, {0, 5}), (256, 1.0, {0}), (255, 3 / 8, {0, 4, 7}), (255, 1.0, {0, 7})]
+)
+def test_fused_pass2_order(vocab, share, fresh, monkeypatch):
+    """The order pass 2 takes its tiles in, seen through an output that aliases the logits one tile further on
+    (out tile i is the storage of logits tile i + 1), under the interpreter, which runs each tile's read and
+    write in program order. A tile read after the tile before it was written reads gradients (about 0) where the
+    logits were (about 50), so its own gradient is 0. With 8 tiles and a window of 3, pass 2 takes 5, 6, 7, 0,
+    ..., 4: only tiles 5 and 0 read their logits (tile 0's storage is never written); in row order only tile 0.
+    V = 255 (a masked tail, HEAD rows): 7 full tiles, so 4, 5, 6, 0, ..., 3, and the tail tile (7), read before
+    them."""
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
+    monkeypatch.setattr(triton_logits, "PASS2_WINDOW", share)
+    tile = 32
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.zeros(1, 1, vocab + tile, device=DEVICE)
+    x, out = buf[..., :vocab], buf[..., tile:]
+    x.copy_(50.0 + torch.rand(1, 1, vocab, generator=gen).to(DEVICE))
+    ids = torch.tensor([[3]], device=DEVICE)  # the target in tile 0
+    ones = torch.ones(1, 1, device=DEVICE)
+    triton_logits.fused_token_grad(
+        x, ids, 1.0, advantages=ones, old_logp=None, ref_logp=None, rho=None, weight=ones, entropy_weight=None,
+        cfg=LossConfig(loss_type="grpo", beta=0.0), out=out,
+    )  # fmt: skip
+    read = {i for i in range(-(-vocab // tile)) if out[0, 0, i * tile : (i + 1) * tile].abs().max() > 1e-6}
+    assert read == fresh, read
+
+
 def test_pass2_window_switch(monkeypatch):
     """GRPO_KERNELS_PASS2_WINDOW (or triton_logits.PASS2_WINDOW) sets the share of the row pass 2 takes first;
     by default 1 (row order) while the rows in flight fit L2, else the share of them 2·L2_FRACTION of L2 holds;
