@@ -396,8 +396,8 @@ def _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME: tl.constexpr):
 
 @triton.jit
 def _pass2_tile(j, first, nt, ROTATE: tl.constexpr):
-    """The tile pass 2 takes j-th of the row's nt: ROTATE from tile `first` to the row's last, then from its first
-    (`pass2_window`: the tiles pass 1 read last are re-read first, while L2 still holds them); else tile j."""
+    """Which of the row's nt tiles pass 2 takes j-th. ROTATE: from tile `first` to the row's last, then from its
+    first (`pass2_window`: the tiles pass 1 read last are re-read first, while L2 still holds them); else tile j."""
     if ROTATE:
         i = j + first
         return tl.where(i >= nt, i - nt, i)
@@ -480,7 +480,7 @@ def _row_grad_store(
                         b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
                     )
                     _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
-            else:  # (this loop's form: the tile index loop above spills the plain path's gradient at 255 registers)
+            else:  # this loop's form: with the index loop above, row_grad_kernel's plain path spills at 255 registers
                 for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
                     b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
                     b_d = _grad_tile(
