@@ -242,8 +242,7 @@ def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, 
     try:
         for share in (None, 1.0):
             tk.PASS2_WINDOW = share
-            block_v, warps = tk._block_config(vocab, False, tk._narrow_plan(x, "fused"))
-            tiles = tk._pass2_tiles(vocab, x.element_size(), block_v, warps, *tk._device_caps_of(x.device))
+            _, block_v, _, tiles = tk._fused_plan(x, x)
             row = {"order": "launcher's" if share is None else "row order", "window_tiles": tiles,
                    "tiles": -(-vocab // block_v)}  # fmt: skip
             rows.append(_timed_row(row, nbytes, fn, device, dry))

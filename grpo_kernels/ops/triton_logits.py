@@ -405,6 +405,17 @@ def _pass2_tile(j, first, nt, ROTATE: tl.constexpr):
 
 
 @triton.jit
+def _grad_tile_store(p_a, p_oa, o_b, v0, head, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constexpr,
+                     BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr,
+                     WORDS: tl.constexpr, FMA_FRAME: tl.constexpr):  # fmt: skip
+    """One full tile of pass 2 at v0: read, its gradient (`_grad_tile`), stored but for the positions before `head`
+    where HEAD (`_store_tile`)."""
+    b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
+    b_d = _grad_tile(b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME)
+    _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, head, SLOTS, VEC, HEAD)
+
+
+@triton.jit
 def _row_grad_store(
     p_a,
     p_oa,
@@ -461,12 +472,10 @@ def _row_grad_store(
             first = tl.maximum(nt - window, 0)
             for j in tl.range(0, nt, num_stages=NUM_STAGES):
                 i = _pass2_tile(j, first, nt, ROTATE)
-                v0 = _overlapped_start(i, n, BLOCK_V)
-                b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-                b_d = _grad_tile(
-                    b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
-                )
-                _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, i * BLOCK_V, SLOTS, VEC, True)
+                _grad_tile_store(
+                    p_a, p_oa, o_b, _overlapped_start(i, n, BLOCK_V), i * BLOCK_V, y_a, b_rx, b_lr, b_dy, b_gr, b_hn,
+                    k2, HAS_ENT, BLOCK_V, SLOTS, VEC, True, WORDS, FMA_FRAME,
+                )  # fmt: skip
         else:
             if VECTORS:
                 b_wt = _load_tail(p_a + v_full, n - v_full, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
@@ -475,18 +484,16 @@ def _row_grad_store(
                 first = tl.maximum(nt - window, 0)
                 for j in tl.range(0, nt, num_stages=NUM_STAGES):
                     v0 = tl.multiple_of(_pass2_tile(j, first, nt, ROTATE) * BLOCK_V, BLOCK_V)
-                    b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-                    b_d = _grad_tile(
-                        b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
-                    )
-                    _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
+                    _grad_tile_store(
+                        p_a, p_oa, o_b, v0, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS,
+                        VEC, HEAD, WORDS, FMA_FRAME,
+                    )  # fmt: skip
             else:  # this loop's form: with the index loop above, row_grad_kernel's plain path spills at 255 registers
                 for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
-                    b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-                    b_d = _grad_tile(
-                        b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME
-                    )
-                    _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, shift, SLOTS, VEC, HEAD)
+                    _grad_tile_store(
+                        p_a, p_oa, o_b, v0, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS,
+                        VEC, HEAD, WORDS, FMA_FRAME,
+                    )  # fmt: skip
             if VECTORS:
                 _tail_grad_store(
                     b_wt, p_oa, v_full, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
@@ -930,7 +937,7 @@ def _token_coef(
         **_TILE_HEURISTICS,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
-        "ROTATE": lambda a: a["window"] < -(-a["V"] // a["BLOCK_V"]),  # else row order, without the index's cost
+        "ROTATE": lambda a: _rotates(a["window"], a["V"], a["BLOCK_V"]),
     }
 )
 @triton.jit(
@@ -1230,6 +1237,22 @@ def _pass2_tiles(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms:
     in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, num_warps, fused_grid_mode(), scalar)
     share = pass2_window(in_flight, vocab * elem_bytes, l2_bytes)
     return max(1, math.floor(share * -(-vocab // block_v)))
+
+
+def _rotates(window: int, vocab: int, block_v: int) -> bool:
+    """Whether pass 2 starts within the row (`window` tiles shorter than the row): only then is the wrapped tile
+    index (`ROTATE`) compiled, else row order without the index's cost."""
+    return window < -(-vocab // block_v)
+
+
+def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int, int]:
+    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles) of `fused_token_grad`'s launch on the logits'
+    device."""
+    vocab = logits.shape[-1]
+    scalar = _scalar_rows(logits, out)
+    block_v, num_warps = _block_config(vocab, scalar, _narrow_plan(logits, "fused"))
+    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar)
+    return scalar, block_v, num_warps, window
 
 
 def tiles_in_flight() -> int:
@@ -1536,10 +1559,8 @@ def fused_token_grad(
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    scalar = _scalar_rows(logits, out)
-    block_v, num_warps = _block_config(vocab, scalar, _narrow_plan(logits, "fused"))
+    scalar, block_v, num_warps, window = _fused_plan(logits, out)
     grid = (_num_programs(rows, logits, True, num_warps, scalar),)
-    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar)
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)
     fused_token_grad_fwd_kernel[grid](

@@ -80,9 +80,10 @@ def _plan(kernel: str, dtype: str, vocab: int, l2: int, grid: str | None, flags:
     triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID = l2, grid
     try:
         stages, maxnreg = triton_logits._launch_plan(args, two_pass=kernel == FUSED)
-        rotate = kernel == FUSED and triton_logits._pass2_tiles(
-            vocab, x.element_size(), block_v, warps, triton_logits.REFERENCE_SMS, l2
-        ) < -(-vocab // block_v)  # the fused kernel's ROTATE heuristic: pass 2 starts within the row
+        rotate = kernel == FUSED and triton_logits._rotates(  # the fused kernel's ROTATE heuristic
+            triton_logits._pass2_tiles(vocab, x.element_size(), block_v, warps, triton_logits.REFERENCE_SMS, l2),
+            vocab, block_v,
+        )  # fmt: skip
     finally:
         triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID = saved
     return kernel, dtype, block_v, warps, stages, maxnreg, vocab % 16 == 0, rotate, tuple(sorted(flags.items()))
