@@ -1162,6 +1162,16 @@ def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tu
     return 8192, 16  # Llama-3 (128256), Qwen2.5/3 (151936), Gemma-3 (262144): 16-32 tiles of 8192, 512 threads
 
 
+def _fused_block_config(vocab: int, scalar_rows: bool, narrow: str, realigned: bool, arch: int) -> tuple[int, int]:
+    """`_block_config` of the fused kernel on a device of compute capability `arch` (`_device_arch`): on sm_100 the
+    realigned (HEAD) 16-bit rows at 32768 < V <= 65536 keep the 4-warp plan (tiles of 4096, three programs per SM),
+    since sm_100a's ptxas spills their 8-warp plan at the 128 registers two programs per SM leave
+    (tests/ops/test_performance_model.py prints both on the B200 model)."""
+    if narrow == "fused" and realigned and arch >= 100 and 32768 < vocab <= 65536 and not scalar_rows:
+        return 4096, 4
+    return _block_config(vocab, scalar_rows, narrow)
+
+
 # The latency model (docs/performance.md). Little's law: a memory system delivering bandwidth W at latency L needs
 # W·L bytes in flight. Reference devices: H100 SXM (132 SMs, 50 MiB L2) and H200 (132 SMs, 60 MiB L2 as torch
 # reports it), 4.3 TB/s copy rate, ~0.7 µs loaded DRAM latency: 4.3e12 B/s x 0.7e-6 s = 3.0 MB, 22.8 KB per SM.
@@ -1250,7 +1260,9 @@ def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int
     device."""
     vocab = logits.shape[-1]
     scalar = _scalar_rows(logits, out)
-    block_v, num_warps = _block_config(vocab, scalar, _narrow_plan(logits, "fused"))
+    realigned = not scalar and not _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
+    narrow = _narrow_plan(logits, "fused")
+    block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, _device_arch(logits.device))
     window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar)
     return scalar, block_v, num_warps, window
 
@@ -1375,7 +1387,8 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
         maxnreg = _max_registers(num_warps, 1)
     if _device_arch(x.device) >= 100 and two_pass and maxnreg <= 128 and args.get("HEAD"):
         # and the fused kernel's realigned 16-bit rows (V = 50257: the tail tile held across the pass) in two 8-warp
-        # programs per SM at 128: one program per SM there
+        # programs per SM at 128 (the wide plan: the default keeps 4 warps there, `_fused_block_config`): one
+        # program per SM there
         maxnreg = _max_registers(num_warps, 1)
     return stages, maxnreg
 

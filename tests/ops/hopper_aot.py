@@ -247,7 +247,12 @@ def _specialize(cfg: dict) -> dict:
         flags.setdefault("HEAD", False)
     if cfg["module"] == "triton_logits":  # the plain path (neither ALIGNED nor HEAD) as the launchers plan it
         scalar = not flags.get("ALIGNED", True) and not flags.get("HEAD")
-        block_v, num_warps = module._block_config(vocab, scalar, narrow_plan(cfg["kernel"], dtype))
+        narrow = narrow_plan(cfg["kernel"], dtype)
+        if cfg["kernel"] == "fused_token_grad_fwd_kernel":  # the fused kernel's plan also depends on the device
+            block_v, num_warps = module._fused_block_config(vocab, scalar, narrow, bool(flags.get("HEAD")),
+                                                            cfg.get("arch", 90))  # fmt: skip
+        else:
+            block_v, num_warps = module._block_config(vocab, scalar, narrow)
     else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
         block_v, num_warps = module._block_v(vocab), 4
     # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the

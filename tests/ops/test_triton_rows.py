@@ -579,6 +579,12 @@ def test_16bit_plan_rows(vocab):
     assert triton_logits._block_config(vocab, False, "fused") == (4096, 4)
     assert triton_logits._block_config(50257, False, "scan") == (4096, 4)
     assert triton_logits._block_config(50257, False, "fused") == (8192, 8)
+    # sm_100: the realigned rows keep the 4-warp plan there (its ptxas spills the 8-warp one), aligned ones do not
+    assert triton_logits._fused_block_config(50257, False, "fused", True, 100) == (4096, 4)
+    assert triton_logits._fused_block_config(50257, False, "fused", True, 90) == (8192, 8)
+    assert triton_logits._fused_block_config(50304, False, "fused", False, 100) == (8192, 8)
+    assert triton_logits._fused_block_config(50257, False, "", True, 100) == (8192, 8)
+    assert triton_logits._fused_block_config(151937, False, "fused", True, 100) == (16384, 16)
     assert [triton_logits._programs_per_sm(w, True, 2) for w in (4, 8, 16)] == [3, 2, 1]
     assert [triton_logits._programs_per_sm(w, True, 4) for w in (4, 8, 16)] == [3, 1, 1]
     # the fused grid: two programs per SM of the 16-bit plan at 50257 (as many rows as fit L2), one of scalar rows
@@ -603,6 +609,17 @@ def test_16bit_plan_rows(vocab):
     torch.testing.assert_close(got.double(), want, rtol=SHARD_PARTIALS_RTOL, atol=0.0)
     cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
+
+
+@pytest.mark.parametrize(("arch", "plans"), [(90, ((8192, 8), (8192, 8))), (100, ((4096, 4), (8192, 8)))])
+def test_fused_plan_per_arch(arch, plans, monkeypatch):
+    """The fused launcher's plan at V = 50257 (realigned rows) and 50304 (aligned) for the device it launches on:
+    sm_100 keeps the realigned 16-bit rows on 4 warps (`_fused_block_config`), Hopper gives both 8."""
+    monkeypatch.setattr(triton_logits, "REFERENCE_ARCH", arch)  # the device a plan off CUDA is made for
+    for vocab, plan in zip((50257, 50304), plans, strict=True):
+        x = torch.zeros(1, 2, vocab, dtype=torch.bfloat16)
+        assert triton_logits._fused_plan(x, x)[1:3] == plan
+        assert triton_logits._fused_plan(x.float(), x.float())[1:3] == (8192, 8)  # fp32 rows: one plan
 
 
 @pytest.mark.parametrize(
