@@ -59,8 +59,9 @@ FUSED_FLAGS = ("HAS_OLD", "HAS_REF", "HAS_RATIO", "HAS_ENT", "HAS_DELTA", "BIAS_
 def config(label: str, kernel: str, dtype: str, vocab: int, flags: dict, module: str = "triton_logits", **plan) -> dict:
     """One compile: `kernel` of grpo_kernels.ops.`module` for logits of `dtype` and vocabulary (or tile) width
     `vocab`, with the constexpr `flags`. `plan`: `l2_bytes` (the device the launch plan is for; the reference
-    H100's 50 MiB by default), `grid` ("sms" or "l2": a forced fused grid) and `arch` (the compute capability
-    compiled for: 90, sm_90a, by default; 100 for sm_100a)."""
+    H100's 50 MiB by default), `grid` ("sms" or "l2": a forced fused grid), `arch` (the compute capability
+    compiled for: 90, sm_90a, by default; 100 for sm_100a) and `num_ctas` (Triton's cluster option: each program's
+    tensors split across that many CTAs; 1 by default)."""
     return {"label": label, "kernel": kernel, "dtype": dtype, "vocab": vocab, "flags": flags, "module": module, **plan}
 
 
@@ -311,6 +312,8 @@ def _specialize(cfg: dict) -> dict:
         # fused-linear tiles' row strides (multiples of 256 columns) too.
         if signature[name].startswith("*") or (name == "V" and vocab % 16 == 0) or name in ("stride_z", "stride_dz"):
             attrs[(i,)] = [["tt.divisibility", 16]]
+    if cfg.get("num_ctas", 1) > 1:  # a program split across the CTAs of a cluster (priced, not launched)
+        options["num_ctas"] = cfg["num_ctas"]
     plan = {"block_v": block_v, "num_warps": num_warps, "num_stages": constexprs.get("NUM_STAGES", 1),
             "tail_slots": constexprs.get("TAIL_SLOTS"), "maxnreg": options.get("maxnreg")}  # fmt: skip
     return {"jit": jit, "signature": signature, "constexprs": constexprs, "attrs": attrs, "options": options,

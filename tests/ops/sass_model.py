@@ -20,7 +20,8 @@ warp through the program's setup and then `rows` iterations of that row loop. Co
 The timeline (`simulate`): one warp issues its instructions in order, each taking max(stall, share) cycles, where
 `share` is the warps of its CTA per SM sub-partition (4 issue slots per SM: the CTA's own warps take turns);
 before an instruction it waits for its SBs; `DEPBAR.LE` waits for the oldest committed copy groups; a `BAR.SYNC`
-costs BARRIER cycles (the CTA's warps are symmetric: each arrives as late as this one). Latencies: global loads by
+costs BARRIER cycles (the CTA's warps are symmetric: each arrives as late as this one), a cluster barrier's wait
+CLUSTER_WAIT. Latencies: global loads by
 their class (DRAM, or the L2 hit/miss mix of a row re-read), the short variable-latency units by SHORT_LATENCY.
 """
 
@@ -41,6 +42,9 @@ _DEPBAR = re.compile(r"\bDEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)")
 SHORT_LATENCY = {"MUFU": 24, "LDS": 32, "SHFL": 32, "S2R": 25, "S2UR": 25}
 DEFAULT_SHORT = 24  # any other SB-setting unit (LDC, conversions, FP64, REDUX, ...)
 BARRIER = 32  # cycles a BAR.SYNC costs when every warp of the CTA arrives together
+# cycles a cluster barrier's wait (UCGABAR_WAIT: a row split across the CTAs of a cluster, `num_ctas`) costs with
+# the fence before it: an assumption for pricing that split (tests/ops/test_performance_model.py), no measured figure
+CLUSTER_WAIT = 400
 # Pipes: warp instructions per cycle per SM (sm_90: 16 MUFU lanes, 64 INT32/ALU lanes, 4 schedulers)
 MUFU_PER_CLK = 16 / 32
 ALU_PER_CLK = 64 / 32
@@ -254,6 +258,8 @@ def simulate(code: list[Instr], seq: list[int], share: int, load_latency: Callab
                 t = max(t, groups[len(groups) - n - 1])
         if op.startswith("BAR.SYNC") or op.startswith("BAR.RED") or op == "BAR":
             t += BARRIER
+        elif op.startswith("UCGABAR_WAIT"):
+            t += CLUSTER_WAIT
         times.append(t)
         if op.startswith("LDGSTS"):
             open_group = max(open_group, t if pos in off else t + load_latency(i))

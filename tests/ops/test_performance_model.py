@@ -20,6 +20,7 @@ Every figure is a prediction from the compile; `pytest -s` prints the tables.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -745,3 +746,66 @@ def test_blackwell_plan_gives_fp32_single_pass_one_program_per_sm(monkeypatch):
     assert triton_logits._launch_plan(args, two_pass=False) == (stages, 128)
     bf16 = {**args, "x_ptr": torch.empty(0, dtype=torch.bfloat16)}
     assert triton_logits._launch_plan(bf16, two_pass=False) == (stages, 64)
+
+
+# The row split across the CTAs of a cluster (Triton's `num_ctas`), priced on today's fused plans: not launched, and
+# not in CI (each split is one more compile); docs/performance.md, section 4, quotes this table.
+CLUSTER_VARIABLE = "GRPO_KERNELS_CLUSTER_MODEL"
+CLUSTER_SHAPES = (("fp32", 128256, (1, 2, 4)), ("bf16", 128256, (1, 2)), ("bf16", 262144, (2, 4)))
+
+
+def cluster_split(compiled: dict, dtype: str, vocab: int, split: int, l2: int = DEVICES[0][1],
+                  sms: int = triton_logits.REFERENCE_SMS, clock: float = SUSTAINED_CLOCK) -> dict:  # fmt: skip
+    """The fused kernel with each row split across the `split` CTAs of a cluster, one CTA per SM (the plan's), so
+    sms / split rows in flight: every CTA walks the row's whole code (its tile loops at the row's trips, each tile
+    split between the CTAs), each cluster wait at sass_model.CLUSTER_WAIT; the bounds as `row_model` gives them."""
+    row_bytes = vocab * hopper_aot.ELEMENT_BYTES[dtype]
+    occupancy = hopper_aot.programs_per_sm(compiled["regs"], compiled["num_warps"], compiled["smem"])
+    assert occupancy >= 1, compiled
+    rows = sms // split  # rows in flight
+    miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * l2 / (rows * row_bytes))
+    trips = [vocab // compiled["block_v"] if compiled["tail_slots"] else -(-vocab // compiled["block_v"])] * 2
+    row_cycles, per_row, *_ = _timeline(compiled, trips, -(-TOKENS // rows), miss, clock, True)
+    floor = 2 * row_bytes
+    return {
+        "dtype": dtype, "vocab": vocab, "split": split, "rows": rows, "miss": miss, "per_row": per_row["issue"],
+        "issue": sms * sass_model.ISSUE_PER_CLK * clock / (per_row["issue"] * compiled["num_warps"]) * floor / split,
+        "latency": rows * floor * clock / row_cycles,
+        "dram": COPY_BANDWIDTH * floor / (floor + miss * row_bytes),
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_cluster_split_priced(aot_cache):
+    """docs/performance.md, section 4: the fused kernel compiled with `num_ctas` (Triton 3.9, sm_90a, H100), 0
+    spills, and the claims made of it: a split's issue and latency bounds fall below the one-CTA kernel's, no split
+    of a bf16 row reaches the copy rate, and fp32 at V = 128256 split in two gains but stays below it. Run with
+    GRPO_KERNELS_CLUSTER_MODEL=1 (`pytest -s` prints the table)."""
+    if os.environ.get(CLUSTER_VARIABLE) != "1":
+        pytest.skip(f"set {CLUSTER_VARIABLE}=1 to price the cluster split (one compile per split)")
+    _require_aot(None)
+    flags = {"LOSS": 0, "ALIGNED": True, **dict.fromkeys(hopper_aot.FUSED_FLAGS, True)}
+    shapes = [(dtype, vocab, split) for dtype, vocab, splits in CLUSTER_SHAPES for split in splits]
+    configs = [hopper_aot.config("fused clip all", FUSED, dtype, vocab, flags, num_ctas=split)
+               for dtype, vocab, split in shapes]  # fmt: skip
+    compiled = hopper_aot.compile_rows(configs, None, sass=True, cache=aot_cache)
+    spilled = [(s, c["spill_stores"]) for s, c in zip(shapes, compiled, strict=True) if c["spill_stores"]]
+    assert not spilled, spilled
+    out = {s: cluster_split(c, *s) for s, c in zip(shapes, compiled, strict=True)}
+    print(f"\nFused kernel, rows split across a cluster (Triton {compiled[0]['triton']}, sm_90a, H100, cluster wait "
+          f"{sass_model.CLUSTER_WAIT} cycles assumed; TB/s of floor traffic, predictions)")  # fmt: skip
+    print(f"{'dtype':<6}{'V':>7}{'split':>6}{'rows':>6}{'miss':>6}{'per row':>9}{'issue':>7}{'latency':>8}{'DRAM':>7}")
+    for m in out.values():
+        print(f"{m['dtype']:<6}{m['vocab']:>7}{m['split']:>6}{m['rows']:>6}{m['miss']:>6.2f}{m['per_row']:>9.0f}"
+              f"{m['issue'] / 1e12:>7.2f}{m['latency'] / 1e12:>8.2f}{m['dram'] / 1e12:>7.2f}")  # fmt: skip
+
+    def best(m: dict) -> float:
+        return min(m["issue"], m["latency"], m["dram"])
+
+    one = out[("fp32", 128256, 1)], out[("bf16", 128256, 1)]
+    for m in out.values():
+        base = one[0] if m["dtype"] == "fp32" else one[1]
+        if m["split"] > 1 and m["vocab"] == base["vocab"]:
+            assert m["issue"] < base["issue"] and m["latency"] < base["latency"], m
+    assert all(best(m) < COPY_BANDWIDTH for m in out.values() if m["dtype"] == "bf16")
+    assert best(one[0]) < best(out[("fp32", 128256, 2)]) < COPY_BANDWIDTH
