@@ -15,7 +15,9 @@ warp through the program's setup and then `rows` iterations of that row loop. Co
   common path); a forward branch out of the loop (a rotated loop's exit test) is taken on the last trip;
 - outside the tile loops a conditional forward branch falls through (the live row, a guard that skips an empty
   loop), unless its fall-through path ends in a jump over a tile loop (a dead row's path laid out first); an
-  unconditional one is followed; an innermost loop that is not a tile loop runs once.
+  unconditional one is followed, and so is a conditional one whose fall-through calls a routine (the slow path of
+  an emulated operation: a 64-bit division whose operands fit 32 bits takes the inline 32-bit one); an innermost
+  loop that is not a tile loop runs once; a call left on the path is an error (its callee would go uncounted).
 
 The timeline (`simulate`): one warp issues its instructions in order, each taking max(stall, share) cycles, where
 `share` is the warps of its CTA per SM sub-partition (4 issue slots per SM: the CTA's own warps take turns);
@@ -174,10 +176,19 @@ def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int],
         if c.op == "EXIT" and not c.predicated:
             return
         t = c.branch_target()
-        if t is not None and t > c.addr and (not c.predicated or _skips_tiles(code, i, index[t], index, tiles)):
+        if t is not None and t > c.addr and (
+            not c.predicated or _skips_tiles(code, i, index[t], index, tiles) or _calls(code, i, index[t])
+        ):
             i = index[t]
             continue
         i += 1
+
+
+def _calls(code: list[Instr], i: int, k: int) -> bool:
+    """Whether falling through the conditional branch at `i` (to `k`) calls a routine: the slow path of an
+    emulated operation, laid out first, that the branch skips when its operands allow the inline one (a 64-bit
+    division whose operands fit 32 bits, as every row index and length here does, takes the 32-bit divide)."""
+    return any(code[j].op.startswith("CALL") for j in range(i + 1, k))
 
 
 def _skips_tiles(code: list[Instr], i: int, k: int, index: dict[int, int], tiles: set[int]) -> bool:
@@ -209,6 +220,9 @@ def walk_rows(code: list[Instr], tile_trips: list[int], rows: int) -> tuple[list
         walked += list(_walk(code, st.row_head, st.row_back, trips, index, inner, heads))
         walked.append((st.row_back, -1))
     seq = [i for i, _ in walked]
+    calls = [code[i].text for i in seq if code[i].op.startswith("CALL")]
+    if calls:  # the callee's instructions would go uncounted (a 64-bit division, say): the model would flatter
+        raise ValueError(f"a call on the walked path, whose callee the walk does not enter: {calls[:3]}")
     missed = [lp for lp, n in trips.items() if n and lp[0] not in set(seq)]
     if missed:
         raise ValueError(f"tile loops off the walked path: {missed}")

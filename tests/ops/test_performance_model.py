@@ -716,6 +716,16 @@ def test_sass_row_timeline():
     assert (counts["issue"], counts["mufu"], counts["ldg"]) == (21, 3, 1)
 
 
+def test_sass_walk_refuses_a_call():
+    """A call on the walked path (Triton's 64-bit division is one) is refused: the walk would count the CALL and not
+    the routine it runs."""
+    call, ret = (0x90, "CALL.REL.NOINC 0xc0", _ctrl()), (0xC0, "RET.REL.NODEC R12 0x0", _ctrl())
+    rows = [*ROW_SASS[:9], call, *ROW_SASS[10:], ret]  # the call in place of the row's FADD
+    code = sass_model.parse_sass(_sass(rows))
+    with pytest.raises(ValueError, match="call on the walked path"):
+        sass_model.walk_rows(code, [3], 1)
+
+
 def test_tiles_in_flight_switch(monkeypatch):
     """GRPO_KERNELS_TILES_IN_FLIGHT (or triton_logits.TILES_IN_FLIGHT) sets the least tiles in flight the pipeline
     plans; anything outside 1 to 8 is refused."""
