@@ -23,8 +23,8 @@ The timeline (`simulate`): one warp issues its instructions in order, each takin
 `share` is the warps of its CTA per SM sub-partition (4 issue slots per SM: the CTA's own warps take turns);
 before an instruction it waits for its SBs; `DEPBAR.LE` waits for the oldest committed copy groups; a `BAR.SYNC`
 costs BARRIER cycles (the CTA's warps are symmetric: each arrives as late as this one), a cluster barrier's wait
-CLUSTER_WAIT. Latencies: global loads by
-their class (DRAM, or the L2 hit/miss mix of a row re-read), the short variable-latency units by SHORT_LATENCY.
+CLUSTER_WAIT. Latencies: global loads by their class (DRAM, or the L2 hit/miss mix of a row re-read), the short
+variable-latency units by SHORT_LATENCY.
 """
 
 from __future__ import annotations
@@ -176,8 +176,10 @@ def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int],
         if c.op == "EXIT" and not c.predicated:
             return
         t = c.branch_target()
-        if t is not None and t > c.addr and (
-            not c.predicated or _skips_tiles(code, i, index[t], index, tiles) or _calls(code, i, index[t])
+        if (
+            t is not None
+            and t > c.addr
+            and (not c.predicated or _skips_tiles(code, i, index[t], index, tiles) or _calls(code, i, index[t]))
         ):
             i = index[t]
             continue

@@ -717,13 +717,20 @@ def test_sass_row_timeline():
 
 
 def test_sass_walk_refuses_a_call():
-    """A call on the walked path (Triton's 64-bit division is one) is refused: the walk would count the CALL and not
-    the routine it runs."""
+    """A call on the walked path is refused: the walk would count the CALL and not the routine it runs. A call that
+    a conditional branch skips (a 64-bit division's slow path, skipped when its operands fit 32 bits) is off the
+    path: the walk takes the branch."""
     call, ret = (0x90, "CALL.REL.NOINC 0xc0", _ctrl()), (0xC0, "RET.REL.NODEC R12 0x0", _ctrl())
     rows = [*ROW_SASS[:9], call, *ROW_SASS[10:], ret]  # the call in place of the row's FADD
     code = sass_model.parse_sass(_sass(rows))
     with pytest.raises(ValueError, match="call on the walked path"):
         sass_model.walk_rows(code, [3], 1)
+    skipped = [*ROW_SASS[:9], (0x90, "@!P2 BRA 0xb0", _ctrl()), (0xA0, "CALL.REL.NOINC 0xe0", _ctrl()),
+               (0xB0, "FADD R4, R1, R2", _ctrl(waits=1)), (0xC0, "@P1 BRA 0x0", _ctrl()), (0xD0, "EXIT", _ctrl()),
+               (0xE0, "RET.REL.NODEC R12 0x0", _ctrl())]  # fmt: skip
+    code = sass_model.parse_sass(_sass(skipped))
+    seq, _, _ = sass_model.walk_rows(code, [3], 1)
+    assert seq == [0, 1, 2, 3, *[4, 5, 6, 7, 8] * 3, 9, 11, 12]  # the branch taken over the call
 
 
 def test_tiles_in_flight_switch(monkeypatch):
