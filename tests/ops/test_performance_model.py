@@ -140,7 +140,7 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
     passes = 2 if two_pass else 1
     assert len(loops) == passes, f"expected one tile loop per pass: {loops}"
     per_thread = block_v // (32 * warps)  # logits per thread per tile
-    trips = [vocab // block_v if compiled["tail_slots"] else -(-vocab // block_v)] * passes
+    trips = _tile_trips(compiled, vocab, passes)
     per_row = 0.0
     for lp, n in zip(loops, trips, strict=True):
         per_row += n * lp["instructions"] + (lp["once"] if n else 0)
@@ -176,6 +176,13 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
         # Issue at 1 / ISSUE_MARGIN efficiency (the margin the issue target leaves for it), against DRAM time.
         out["predicted"] = floor / max(dram_time, floor * ISSUE_MARGIN / issue)  # floor bytes per second
     return out
+
+
+def _tile_trips(compiled: dict, vocab: int, passes: int) -> list[int]:
+    """Trips of each pass's tile loop: over the full tiles where a masked tail tile follows the loop (`tail_slots`),
+    else over every tile, the last one overlapping."""
+    block_v = compiled["block_v"]
+    return [vocab // block_v if compiled["tail_slots"] else -(-vocab // block_v)] * passes
 
 
 def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[int],
@@ -772,24 +779,19 @@ CLUSTER_SHAPES = (("fp32", 128256, (1, 2, 4)), ("bf16", 128256, (1, 2)), ("bf16"
 
 
 def cluster_split(compiled: dict, dtype: str, vocab: int, split: int, l2: int = DEVICES[0][1],
-                  sms: int = triton_logits.REFERENCE_SMS, clock: float = SUSTAINED_CLOCK) -> dict:  # fmt: skip
+                  sms: int = triton_logits.REFERENCE_SMS) -> dict:  # fmt: skip
     """The fused kernel with each row split across the `split` CTAs of a cluster, one CTA per SM (the plan's), so
-    sms / split rows in flight: every CTA walks the row's whole code (its tile loops at the row's trips, each tile
-    split between the CTAs), each cluster wait at sass_model.CLUSTER_WAIT; the bounds as `row_model` gives them."""
-    row_bytes = vocab * hopper_aot.ELEMENT_BYTES[dtype]
+    sms / split rows in flight: `row_model` with each cluster as one program over the row (every CTA walks the
+    row's whole code, its tile loops at the row's trips, each tile split between the CTAs; each cluster wait at
+    sass_model.CLUSTER_WAIT)."""
     occupancy = hopper_aot.programs_per_sm(compiled["regs"], compiled["num_warps"], compiled["smem"])
     assert occupancy >= 1, compiled
     rows = sms // split  # rows in flight
-    miss = max(0.0, 1.0 - triton_logits.L2_FRACTION * l2 / (rows * row_bytes))
-    trips = [vocab // compiled["block_v"] if compiled["tail_slots"] else -(-vocab // compiled["block_v"])] * 2
-    row_cycles, per_row, *_ = _timeline(compiled, trips, -(-TOKENS // rows), miss, clock, True)
-    floor = 2 * row_bytes
-    return {
-        "dtype": dtype, "vocab": vocab, "split": split, "rows": rows, "miss": miss, "per_row": per_row["issue"],
-        "issue": sms * sass_model.ISSUE_PER_CLK * clock / (per_row["issue"] * compiled["num_warps"]) * floor / split,
-        "latency": rows * floor * clock / row_cycles,
-        "dram": COPY_BANDWIDTH * floor / (floor + miss * row_bytes),
-    }  # fmt: skip
+    row = {"kernel": FUSED, "dtype": dtype, "vocab": vocab, "l2": l2, "dram": 2}
+    m = row_model(row, compiled, rows, rows, _tile_trips(compiled, vocab, 2), sms=sms)
+    return {"dtype": dtype, "vocab": vocab, "split": split, "rows": rows, "miss": m["full_miss"],
+            "per_row": m["per_row"]["issue"], "issue": m["full_issue"], "latency": m["full_latency"],
+            "dram": m["full_dram"]}  # fmt: skip
 
 
 @pytest.mark.slow
