@@ -1164,12 +1164,13 @@ def _block_config(vocab: int, scalar_rows: bool = False, narrow: str = "") -> tu
 
 def _fused_block_config(vocab: int, scalar_rows: bool, narrow: str, realigned: bool, arch: int) -> tuple[int, int]:
     """`_block_config` of the fused kernel on a device of compute capability `arch` (`_device_arch`): on sm_100 the
-    realigned (HEAD) 16-bit rows at 32768 < V <= 65536 keep the 4-warp plan (tiles of 4096, three programs per SM),
-    since sm_100a's ptxas spills their 8-warp plan at the 128 registers two programs per SM leave
-    (tests/ops/test_performance_model.py prints both on the B200 model)."""
-    if narrow == "fused" and realigned and arch >= 100 and 32768 < vocab <= 65536 and not scalar_rows:
+    realigned (HEAD) 16-bit rows it gives the 8-warp plan (32768 < V <= 65536, two programs per SM) keep the 4-warp
+    plan (tiles of 4096, three programs per SM), since sm_100a's ptxas spills that 8-warp plan at the 128 registers
+    two programs per SM leave (tests/ops/test_performance_model.py prints both on the B200 model)."""
+    plan = _block_config(vocab, scalar_rows, narrow)
+    if narrow == "fused" and realigned and arch >= 100 and plan == (8192, 8):
         return 4096, 4
-    return _block_config(vocab, scalar_rows, narrow)
+    return plan
 
 
 # The latency model (docs/performance.md). Little's law: a memory system delivering bandwidth W at latency L needs
