@@ -11,10 +11,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_kernels import grpo_loss
 from reference import reference_grpo_loss
+
+from .ranks import start_ranks
 
 B_PER_RANK, T, V = 2, 5, 13
 
@@ -60,9 +61,7 @@ def _rank_main(rank: int, world: int, store: str, results: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])  # an even and an odd world size
 def test_data_parallel_gradient_equals_whole_batch(world):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _rank_main, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world, join=True, start_method="spawn"
-        )
+        start_ranks(_rank_main, (world, os.path.join(tmp, "store"), tmp), world)
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
     logits, ids, adv, mask, old, ref = _inputs(world)
     for i, options in enumerate(OPTIONS):

@@ -15,13 +15,13 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_kernels import fused_linear_grpo_loss
 from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss
 
 from .conftest import needs_triton_cpu
+from .ranks import start_ranks
 
 B, T, H, V = 4, 3, 8, 37  # 37 rows split unevenly over 2 and 4 ranks
 
@@ -75,9 +75,7 @@ def _oracle(options, rows=slice(None)):
 
 def _spawn(fn, world: int, *args) -> list:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            fn, args=(world, os.path.join(tmp, "store"), tmp, *args), nprocs=world, join=True, start_method="spawn"
-        )
+        start_ranks(fn, (world, os.path.join(tmp, "store"), tmp, *args), world)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

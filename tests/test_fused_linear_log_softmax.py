@@ -9,13 +9,13 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_kernels import fused_linear_log_softmax, grpo_loss
 from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss, reference_selective_log_softmax
 
 from .conftest import needs_triton_cpu
+from .ranks import start_ranks
 from .test_fused_linear import assert_never_materializes_the_logits
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
@@ -189,7 +189,7 @@ def _rank(rank: int, world: int, store: str, results: str) -> None:
 
 def test_vocab_parallel_and_fsdp2_equal_the_unsharded_oracle():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(2, os.path.join(tmp, "store"), tmp), nprocs=2, join=True, start_method="spawn")
+        start_ranks(_rank, (2, os.path.join(tmp, "store"), tmp), 2)
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     hidden, weight, bias, ids, upstream = make_inputs(seed=5)
     ref_logp, ref_entropy, (dx, dw, db) = oracle(hidden, weight, bias, ids, upstream)

@@ -7,12 +7,12 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_kernels import grpo_loss
 from reference import reference_grpo_loss
 
 from .conftest import needs_triton_cpu
+from .ranks import start_ranks
 
 B, T, V = 2, 4, 37  # 37 splits unevenly over 2 and 4 ranks
 
@@ -68,7 +68,7 @@ def test_vocab_parallel_equals_unsharded_oracle(world, backend):
     # backend="triton": the shard partials kernel and the gradient kernel (interpreted on a CPU)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.start_processes(_rank_main, args=(world, store, tmp, backend), nprocs=world, join=True, start_method="spawn")
+        start_ranks(_rank_main, (world, store, tmp, backend), world)
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
     logits, ids, adv, mask, old, ref = _inputs()
     worst = 0.0

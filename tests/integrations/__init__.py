@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from ..ranks import start_ranks
 
 # A character-level vocabulary: every lowercase letter is one token, so a rule-based reward reads them back.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -104,5 +105,5 @@ def run_ranks(check: Callable[[int, str, str], list[str]], model_dir: Path, worl
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         args = (world, port, tmp, check, str(model_dir))
-        mp.start_processes(_rank_entry, args=args, nprocs=world, join=True, start_method="spawn")
+        start_ranks(_rank_entry, args, world)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]

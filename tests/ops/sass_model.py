@@ -30,6 +30,7 @@ variable-latency units by SHORT_LATENCY.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -87,9 +88,14 @@ class Instr:
         m = _BRANCH.match(self.text)
         return self.text.startswith("@") or bool(m and m.group(2))
 
-    def branch_target(self) -> int | None:
+    @cached_property
+    def target(self) -> int | None:
+        """A branch's target address (None: not a branch)."""
         m = _BRANCH.match(self.text)
         return int(m.group(3), 16) if m else None
+
+    def branch_target(self) -> int | None:
+        return self.target
 
 
 def parse_sass(sass: str) -> list[Instr]:
@@ -155,7 +161,7 @@ def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int],
                 j = i
                 while j <= back:
                     yield j, trip
-                    t = code[j].branch_target()
+                    t = code[j].target
                     if t is not None and j < back and t > code[j].addr:
                         k = index[t]
                         if k > back:  # leaves the loop
@@ -175,7 +181,7 @@ def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int],
         c = code[i]
         if c.op == "EXIT" and not c.predicated:
             return
-        t = c.branch_target()
+        t = c.target
         if (
             t is not None
             and t > c.addr
@@ -232,17 +238,21 @@ def walk_rows(code: list[Instr], tile_trips: list[int], rows: int) -> tuple[list
     for a, b in st.tile_loops:
         waits = [m for j in range(a, b + 1) if (m := _DEPBAR.search(code[j].text))]
         outstanding[(a, b)] = int(waits[0].group(1), 0) if waits else 0
+    loop_of: list[tuple[int, int] | None] = [None] * len(code)
+    for a, b in st.tile_loops:
+        loop_of[a : b + 1] = [(a, b)] * (b + 1 - a)
+    copy = [c.op.startswith("LDGSTS") for c in code]
+    commit = [c.op == "LDGDEPBAR" for c in code]
     off, group = set(), 0
     for pos, (i, trip) in enumerate(walked):
-        c = code[i]
-        loop = next(((a, b) for a, b in st.tile_loops if a <= i <= b), None)
+        loop = loop_of[i]
         if loop is not None:
             group = 0
-            if c.op.startswith("LDGSTS") and trip + outstanding[loop] + 1 >= trips[loop]:
+            if copy[i] and trip + outstanding[loop] + 1 >= trips[loop]:
                 off.add(pos)
-        elif c.op == "LDGDEPBAR":
+        elif commit[i]:
             group += 1
-        elif c.op.startswith("LDGSTS"):
+        elif copy[i]:
             following = [lp for lp in st.tile_loops if lp[0] > i]
             if following and group >= trips[following[0]]:
                 off.add(pos)
@@ -258,34 +268,47 @@ def simulate(code: list[Instr], seq: list[int], share: int, load_latency: Callab
     """Issue time (cycles) of each entry of `seq` for one warp (module docstring); the last entry is the end.
     `load_latency(index)`: the latency of the global load or tile copy at that instruction; `off`: positions in
     `seq` of copies predicated off (they complete at once)."""
+    # Each instruction's part, read once: (SBs waited on, copy groups a DEPBAR.LE leaves outstanding or -1, fixed
+    # wait (barrier), kind (1 copy, 2 commit, 3 sets an SB), SB set, fixed latency or None for a global load, step)
+    static = []
+    for c in code:
+        op = c.op
+        m = _DEPBAR.search(c.text) if op == "DEPBAR.LE" else None
+        if op.startswith("BAR.SYNC") or op.startswith("BAR.RED") or op == "BAR":
+            fixed = BARRIER
+        else:
+            fixed = CLUSTER_WAIT if op.startswith("UCGABAR_WAIT") else 0
+        kind, sb, short = 0, c.sets_sb, None
+        if op.startswith("LDGSTS"):
+            kind = 1
+        elif op == "LDGDEPBAR":
+            kind = 2
+        elif sb is not None:
+            kind = 3
+            short = None if is_global_load(c) else SHORT_LATENCY.get(op.split(".")[0], DEFAULT_SHORT)
+        static.append((c.waits, int(m.group(1), 0) if m else -1, fixed, kind, sb, short, max(c.stall, share)))
     ready = [0.0] * 6
     groups: list[float] = []  # completion of each committed copy group, in commit order
     open_group = 0.0
     t = 0.0
     times = []
     for pos, i in enumerate(seq):
-        c = code[i]
-        for b in c.waits:
-            t = max(t, ready[b])
-        op = c.op
-        if op == "DEPBAR.LE" and (m := _DEPBAR.search(c.text)):
-            n = int(m.group(1), 0)
-            if len(groups) > n:
-                t = max(t, groups[len(groups) - n - 1])
-        if op.startswith("BAR.SYNC") or op.startswith("BAR.RED") or op == "BAR":
-            t += BARRIER
-        elif op.startswith("UCGABAR_WAIT"):
-            t += CLUSTER_WAIT
+        waits, depbar, fixed, kind, sb, short, step = static[i]
+        for b in waits:
+            if ready[b] > t:
+                t = ready[b]
+        if depbar >= 0 and len(groups) > depbar:
+            t = max(t, groups[len(groups) - depbar - 1])
+        t += fixed
         times.append(t)
-        if op.startswith("LDGSTS"):
+        if kind == 1:
             open_group = max(open_group, t if pos in off else t + load_latency(i))
-        elif op == "LDGDEPBAR":
+        elif kind == 2:
             groups.append(max(open_group, groups[-1] if groups else 0.0))
             open_group = 0.0
-        elif (sb := c.sets_sb) is not None:
-            short = SHORT_LATENCY.get(op.split(".")[0], DEFAULT_SHORT)
-            ready[sb] = max(ready[sb], t + (load_latency(i) if is_global_load(c) else short))
-        t += max(c.stall, share)
+        elif kind == 3:
+            ready[sb] = max(ready[sb], t + (load_latency(i) if short is None else short))
+        t += step
     times.append(t)
     return times
 
@@ -293,14 +316,14 @@ def simulate(code: list[Instr], seq: list[int], share: int, load_latency: Callab
 def pipe_counts(code: list[Instr], seq: list[int]) -> dict[str, int]:
     """Warp instructions of `seq`, all and per pipe that can bind before issue does (MUFU, ALU)."""
     out = {"issue": len(seq), "mufu": 0, "alu": 0, "ex2": 0, "bar": 0, "shfl": 0, "ldg": 0}
-    for i in seq:
+    for i, n in Counter(seq).items():
         c = code[i]
-        out["mufu"] += c.op.startswith("MUFU")
-        out["ex2"] += c.op == "MUFU.EX2"
-        out["alu"] += bool(_ALU.match(c.text))
-        out["bar"] += c.op.startswith("BAR")
-        out["shfl"] += c.op.startswith("SHFL")
-        out["ldg"] += is_global_load(c)
+        out["mufu"] += n * c.op.startswith("MUFU")
+        out["ex2"] += n * (c.op == "MUFU.EX2")
+        out["alu"] += n * bool(_ALU.match(c.text))
+        out["bar"] += n * c.op.startswith("BAR")
+        out["shfl"] += n * c.op.startswith("SHFL")
+        out["ldg"] += n * is_global_load(c)
     return out
 
 
@@ -346,13 +369,18 @@ def row_regions(code: list[Instr], loops: list[tuple[int, int]], seq: list[int],
             return "setup"
         return "between" if i < loops[-1][0] else "end"
 
+    cells: dict[str, dict[str, float]] = {}
     out: dict[str, dict[str, float]] = {}
+    for i in seq[start:end]:
+        if i not in cells:
+            cells[i] = out.setdefault(region(i), {"issue": 0.0, "stall": 0.0, "wait": 0.0})
+    step = {i: max(code[i].stall, share) for i in cells}
     ready = times[start]
     for pos in range(start, end):
-        c = code[seq[pos]]
-        cell = out.setdefault(region(seq[pos]), {"issue": 0.0, "stall": 0.0, "wait": 0.0})
+        i = seq[pos]
+        cell = cells[i]
         cell["wait"] += times[pos] - ready
         cell["issue"] += share
-        cell["stall"] += max(c.stall, share) - share
-        ready = times[pos] + max(c.stall, share)
+        cell["stall"] += step[i] - share
+        ready = times[pos] + step[i]
     return out

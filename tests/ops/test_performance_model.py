@@ -229,7 +229,9 @@ def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[i
 
 def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: float, clock: float, two_pass: bool):
     """(cycles per row, warp instructions per row by pipe, those in the tile loops, each tile loop's lead)."""
-    code = sass_model.expand(compiled["sass_code"])
+    if "instructions" not in compiled:  # parsed once per compile, its properties read once
+        compiled["instructions"] = sass_model.expand(compiled["sass_code"])
+    code = compiled["instructions"]
     st = sass_model.structure(code)
     simulated = min(rows_per_program, 3)
     seq, starts, off = sass_model.walk_rows(code, trips, simulated)
@@ -249,7 +251,8 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     counts = sass_model.pipe_counts(code, seq[starts[-1] : ends[-1]])
     setup = sass_model.pipe_counts(code, seq[: starts[0]])
     per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
-    loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if any(a <= i <= b for a, b in st.tile_loops))
+    in_loops = {i for a, b in st.tile_loops for i in range(a, b + 1)}
+    loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if i in in_loops)
     leads = [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
     regions = sass_model.row_regions(code, st.tile_loops, seq, times, starts[-1], ends[-1], share)
     return row_cycles, per_row, loop_instr, leads, regions
@@ -376,7 +379,7 @@ def test_in_flight_target_follows_littles_law():
     assert 1.3 * needed <= triton_logits.IN_FLIGHT_PER_SM <= 2 * needed
 
 
-@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~40 s per Triton on a quiet 2-core machine
+@pytest.fixture(scope="module", params=modern_sites(), ids=site_id)  # ~25 s per Triton on a quiet 2-core machine
 def model(request, aot_cache) -> list[dict]:
     """The model of every row on one Triton, computed once per test run: the xdist worker that comes second, or a
     later setup of this fixture, reads it back from the run's cache (test_every_row_meets_the_copy_rate, marked

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -30,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from grpo_kernels.trainer import loop, model, train
 from grpo_kernels.trainer.checkpoint import ADAPTER_FILE, list_checkpoints
 
+from ..ranks import start_ranks
 from .conftest import tiny_argv, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,7 +285,7 @@ def test_the_policy_update_runs_through_ddp_with_one_all_reduce_per_optimizer_st
     backwards of each of the 2 optimizer steps only the last all-reduces (no_sync), and the ranks end with the same
     adapter. Dropping no_sync doubles the all-reduces (the adapter would not change: averaging is linear), which no
     adapter comparison can see."""
-    mp.spawn(_record_forwards, args=(2, free_port(), tmp_path / "run", model_dir, dataset_file), nprocs=2, join=True)
+    start_ranks(_record_forwards, (2, free_port(), tmp_path / "run", model_dir, dataset_file), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rec in ranks:
         update = [name for grad, name in rec["calls"] if grad]
