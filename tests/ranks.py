@@ -5,6 +5,10 @@ multiprocessing's fork server, which imports torch, the package and the test's o
 rather than started as fresh interpreters ("spawn") that import it all again per rank: some 4 s a rank on a 2-core
 machine. The fork server itself runs no torch operation, so the ranks inherit no thread pool (a forked OpenMP pool
 can hang), and each rank starts as a spawned one would, with its own random state and thread count.
+
+Two rules for the modules that use it: run no torch operation at import time (the server imports them), and pass a
+rank what it needs as arguments, not by changing os.environ before the call (the server keeps the environment it
+started with; a rank may set its own variables, as `tests/integrations/__init__.py` does).
 """
 
 from __future__ import annotations
