@@ -94,9 +94,6 @@ class Instr:
         m = _BRANCH.match(self.text)
         return int(m.group(3), 16) if m else None
 
-    def branch_target(self) -> int | None:
-        return self.target
-
 
 def parse_sass(sass: str) -> list[Instr]:
     """Instructions of the (single) function in `cuobjdump -sass` text, with their control bits."""
@@ -122,7 +119,7 @@ def _loops(code: list[Instr]) -> list[tuple[int, int]]:
     index = {c.addr: i for i, c in enumerate(code)}
     out = []
     for i, c in enumerate(code):
-        t = c.branch_target()
+        t = c.target
         if t is not None and t < c.addr and t in index:
             out.append((index[t], i))
     return out
@@ -203,7 +200,7 @@ def _skips_tiles(code: list[Instr], i: int, k: int, index: dict[int, int], tiles
     """Whether falling through the conditional branch at `i` (to `k`) ends in an unconditional jump over a tile
     loop: then the branch leads to the live row (a compiler may lay the dead row's path first)."""
     for j in range(i + 1, k):
-        t = code[j].branch_target()
+        t = code[j].target
         if t is not None and not code[j].predicated and any(k <= h < index[t] for h in tiles):
             return True
     return False
@@ -337,7 +334,7 @@ def pipelined_lead(code: list[Instr], loop: tuple[int, int]) -> float | None:
     j = a
     while j <= b:  # the common path (forward branches inside taken)
         common.append(j)
-        t = code[j].branch_target()
+        t = code[j].target
         if t is not None and j < b and t > code[j].addr and t <= code[b].addr:
             j = next(k for k in body if code[k].addr == t)
             continue
@@ -369,7 +366,7 @@ def row_regions(code: list[Instr], loops: list[tuple[int, int]], seq: list[int],
             return "setup"
         return "between" if i < loops[-1][0] else "end"
 
-    cells: dict[str, dict[str, float]] = {}
+    cells: dict[int, dict[str, float]] = {}  # each instruction's region
     out: dict[str, dict[str, float]] = {}
     for i in seq[start:end]:
         if i not in cells:
