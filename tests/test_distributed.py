@@ -5,17 +5,13 @@ entropy-mask quantile, the metrics) are reduced across the group, so rank r's âˆ
 single-process âˆ‚logits of the same rows, and the metrics must equal the whole batch's.
 """
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from grpo_kernels import grpo_loss
 from reference import reference_grpo_loss
 
-from .ranks import start_ranks
+from .ranks import rank_results
 
 B_PER_RANK, T, V = 2, 5, 13
 
@@ -42,27 +38,21 @@ def _inputs(world: int):
     return logits, ids, adv, mask, old, ref
 
 
-def _rank_main(rank: int, world: int, store: str, results: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        logits, ids, adv, mask, old, ref = _inputs(world)
-        rows = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
-        outputs = []
-        for options in OPTIONS:
-            x = logits[rows].clone().requires_grad_(True)
-            out = grpo_loss(x, ids[rows], adv[rows], mask[rows], old[rows], ref[rows], backend="torch", **options)
-            out.loss.backward()
-            outputs.append((x.grad / world, {k: float(v) for k, v in out.metrics.items()}))
-        torch.save(outputs, os.path.join(results, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, world: int) -> list:
+    logits, ids, adv, mask, old, ref = _inputs(world)
+    rows = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
+    outputs = []
+    for options in OPTIONS:
+        x = logits[rows].clone().requires_grad_(True)
+        out = grpo_loss(x, ids[rows], adv[rows], mask[rows], old[rows], ref[rows], backend="torch", **options)
+        out.loss.backward()
+        outputs.append((x.grad / world, {k: float(v) for k, v in out.metrics.items()}))
+    return outputs
 
 
 @pytest.mark.parametrize("world", [2, 3])  # an even and an odd world size
 def test_data_parallel_gradient_equals_whole_batch(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        start_ranks(_rank_main, (world, os.path.join(tmp, "store"), tmp), world)
-        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    per_rank = rank_results(_rank_main, (), world)
     logits, ids, adv, mask, old, ref = _inputs(world)
     for i, options in enumerate(OPTIONS):
         full = logits.double().requires_grad_(True)

@@ -9,9 +9,6 @@
   whole batch's.
 """
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +18,7 @@ from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss
 
 from .conftest import needs_triton_cpu
-from .ranks import start_ranks
+from .ranks import rank_results
 
 B, T, H, V = 4, 3, 8, 37  # 37 rows split unevenly over 2 and 4 ranks
 
@@ -73,12 +70,6 @@ def _oracle(options, rows=slice(None)):
     return out, x.grad, w.grad, b.grad
 
 
-def _spawn(fn, world: int, *args) -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        start_ranks(fn, (world, os.path.join(tmp, "store"), tmp, *args), world)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-
-
 def _small_tiles() -> None:
     # several vocabulary tiles per shard, and rows in more than one block: every loop edge of both passes
     for tiles in (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND):
@@ -89,42 +80,38 @@ def _small_tiles() -> None:
 # Vocabulary parallel (and vocabulary x data parallel)
 
 
-def _vocab_rank(rank: int, world: int, store: str, results: str, data_parts: int, backend: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        _small_tiles()
-        vocab_parts = world // data_parts
-        # ranks [d·vocab_parts, (d+1)·vocab_parts) share data rank d's sequences and split the vocabulary
-        vocab_groups = [dist.new_group(list(range(d * vocab_parts, (d + 1) * vocab_parts))) for d in range(data_parts)]
-        data_groups = [dist.new_group(list(range(v, world, vocab_parts))) for v in range(vocab_parts)]
-        d, v = divmod(rank, vocab_parts)
-        hidden, weight, bias, ids, adv, mask, old, ref = _inputs()
-        rows, block = _blocks(B, data_parts)[d], _blocks(V, vocab_parts)[v]
-        outputs = []
-        for options in _options(data_parts):
-            x = hidden[rows].clone().requires_grad_(True)
-            w = weight[block].clone().requires_grad_(True)
-            b = bias[block].clone().requires_grad_(True)
-            out = fused_linear_grpo_loss(
-                x,
-                w,
-                ids[rows],
-                adv[rows],
-                mask[rows],
-                old[rows],
-                ref[rows],
-                bias=b,
-                backend=backend,
-                vocab_parallel_group=vocab_groups[d],
-                data_parallel_group=data_groups[v] if data_parts > 1 else None,
-                **options,
-            )
-            out.loss.backward()
-            metrics = {k: float(m) for k, m in out.metrics.items()}
-            outputs.append((out.loss.item(), out.logp, out.entropy, x.grad, w.grad, b.grad, metrics))
-        torch.save(outputs, os.path.join(results, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _vocab_rank(rank: int, world: int, data_parts: int, backend: str) -> list:
+    _small_tiles()
+    vocab_parts = world // data_parts
+    # ranks [d·vocab_parts, (d+1)·vocab_parts) share data rank d's sequences and split the vocabulary
+    vocab_groups = [dist.new_group(list(range(d * vocab_parts, (d + 1) * vocab_parts))) for d in range(data_parts)]
+    data_groups = [dist.new_group(list(range(v, world, vocab_parts))) for v in range(vocab_parts)]
+    d, v = divmod(rank, vocab_parts)
+    hidden, weight, bias, ids, adv, mask, old, ref = _inputs()
+    rows, block = _blocks(B, data_parts)[d], _blocks(V, vocab_parts)[v]
+    outputs = []
+    for options in _options(data_parts):
+        x = hidden[rows].clone().requires_grad_(True)
+        w = weight[block].clone().requires_grad_(True)
+        b = bias[block].clone().requires_grad_(True)
+        out = fused_linear_grpo_loss(
+            x,
+            w,
+            ids[rows],
+            adv[rows],
+            mask[rows],
+            old[rows],
+            ref[rows],
+            bias=b,
+            backend=backend,
+            vocab_parallel_group=vocab_groups[d],
+            data_parallel_group=data_groups[v] if data_parts > 1 else None,
+            **options,
+        )
+        out.loss.backward()
+        metrics = {k: float(m) for k, m in out.metrics.items()}
+        outputs.append((out.loss.item(), out.logp, out.entropy, x.grad, w.grad, b.grad, metrics))
+    return outputs
 
 
 @pytest.mark.parametrize(
@@ -133,7 +120,7 @@ def _vocab_rank(rank: int, world: int, store: str, results: str, data_parts: int
     ids=["vocab2", "vocab4", "vocab2-triton", "data2xvocab2"],
 )
 def test_vocab_parallel_fused_linear_equals_unsharded_oracle(world, data_parts, backend):
-    per_rank = _spawn(_vocab_rank, world, data_parts, backend)
+    per_rank = rank_results(_vocab_rank, (data_parts, backend), world)
     vocab_parts = world // data_parts
     worst = 0.0
     for i, options in enumerate(_options(data_parts)):
@@ -165,34 +152,30 @@ def test_vocab_parallel_fused_linear_equals_unsharded_oracle(world, data_parts, 
 
 
 def test_vocab_parallel_checks_ids_against_the_full_vocabulary_and_the_group():
-    per_rank = _spawn(_ids_rank, 2)
+    per_rank = rank_results(_ids_rank, (), 2)
     assert per_rank[0] == per_rank[1] == "ok"
 
 
-def _ids_rank(rank: int, world: int, store: str, results: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _ids_rank(rank: int, world: int) -> str:
+    w = torch.randn(5, 4)  # 10 ids over the 2 shards: 7 is valid on every rank, 10 on none
+    call = lambda ids, **check: fused_linear_grpo_loss(
+        torch.randn(1, 2, 4), w, torch.tensor([ids]), torch.ones(1), vocab_parallel_group=dist.group.WORLD, **check
+    )
+    assert torch.isfinite(call([7, 0]).loss) and torch.isnan(call([10, 0]).loss)  # off: NaN, no host read
     try:
-        w = torch.randn(5, 4)  # 10 ids over the 2 shards: 7 is valid on every rank, 10 on none
-        call = lambda ids, **check: fused_linear_grpo_loss(
-            torch.randn(1, 2, 4), w, torch.tensor([ids]), torch.ones(1), vocab_parallel_group=dist.group.WORLD, **check
+        call([10, 0], check_inputs=True)
+        verdict = "accepted an id outside the full vocabulary"
+    except ValueError as err:
+        verdict = "ok" if "completion_ids" in str(err) else str(err)
+    try:  # with torch.distributed up, a group argument that is not a ProcessGroup is named
+        fused_linear_grpo_loss(
+            torch.randn(1, 2, 4), w, torch.tensor([[0, 1]]), torch.ones(1), vocab_parallel_group="tp"
         )
-        assert torch.isfinite(call([7, 0]).loss) and torch.isnan(call([10, 0]).loss)  # off: NaN, no host read
-        try:
-            call([10, 0], check_inputs=True)
-            verdict = "accepted an id outside the full vocabulary"
-        except ValueError as err:
-            verdict = "ok" if "completion_ids" in str(err) else str(err)
-        try:  # with torch.distributed up, a group argument that is not a ProcessGroup is named
-            fused_linear_grpo_loss(
-                torch.randn(1, 2, 4), w, torch.tensor([[0, 1]]), torch.ones(1), vocab_parallel_group="tp"
-            )
-            verdict = "accepted a string as vocab_parallel_group"
-        except TypeError as err:
-            named = "vocab_parallel_group must be a torch.distributed ProcessGroup" in str(err)
-            verdict = verdict if named else str(err)
-        torch.save(verdict, os.path.join(results, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        verdict = "accepted a string as vocab_parallel_group"
+    except TypeError as err:
+        named = "vocab_parallel_group must be a torch.distributed ProcessGroup" in str(err)
+        verdict = verdict if named else str(err)
+    return verdict
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,34 +193,30 @@ class _Policy(torch.nn.Module):
         return torch.tanh(self.body(x))
 
 
-def _fsdp_rank(rank: int, world: int, store: str, results: str, options: dict) -> None:
+def _fsdp_rank(rank: int, world: int, options: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        _small_tiles()
-        model = _Policy()
-        fully_shard(model.lm_head)
-        fully_shard(model)
-        hidden, _, _, ids, adv, mask, old, ref = _inputs()
-        rows = _blocks(B, world)[rank]
-        h = model(hidden[rows])  # through FSDP's forward hooks: the body is gathered, the head is not
-        head = model.lm_head
-        assert isinstance(head.weight, DTensor), "the test needs the lm_head weight sharded when the loss runs"
-        out = fused_linear_grpo_loss(
-            h, head.weight, ids[rows], adv[rows], mask[rows], old[rows], ref[rows], bias=head.bias, **options
-        )
-        out.loss.backward()
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-        torch.save(grads, os.path.join(results, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    _small_tiles()
+    model = _Policy()
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    hidden, _, _, ids, adv, mask, old, ref = _inputs()
+    rows = _blocks(B, world)[rank]
+    h = model(hidden[rows])  # through FSDP's forward hooks: the body is gathered, the head is not
+    head = model.lm_head
+    assert isinstance(head.weight, DTensor), "the test needs the lm_head weight sharded when the loss runs"
+    out = fused_linear_grpo_loss(
+        h, head.weight, ids[rows], adv[rows], mask[rows], old[rows], ref[rows], bias=head.bias, **options
+    )
+    out.loss.backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    return grads
 
 
 @pytest.mark.parametrize("options", [OPTIONS[0], {"loss_type": "grpo"}], ids=["dapo-kl", "grpo"])
 def test_fsdp2_sharded_lm_head_gives_the_whole_batch_gradient(options):
-    per_rank = _spawn(_fsdp_rank, 2, options)
+    per_rank = rank_results(_fsdp_rank, (options,), 2)
     hidden, _, _, ids, adv, mask, old, ref = _inputs()
     model = _Policy().double()
     h = model(hidden.double())

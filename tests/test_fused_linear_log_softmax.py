@@ -3,9 +3,6 @@ gradients of hidden, weight and bias under random upstream gradients on ℓ and 
 the Triton folds (interpreted without a GPU); tied weights; no (B·T, V) tensor; 2 vocabulary-parallel gloo ranks and
 an FSDP2-sharded head (and, in the same processes, grpo_loss(reduction="none") on vocabulary-sharded logits)."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +12,7 @@ from grpo_kernels.ops import linear_folds_torch, linear_folds_triton
 from reference import reference_grpo_loss, reference_selective_log_softmax
 
 from .conftest import needs_triton_cpu
-from .ranks import start_ranks
+from .ranks import rank_results
 from .test_fused_linear import assert_never_materializes_the_logits
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
@@ -146,51 +143,45 @@ def test_bad_input_names_the_argument(changes, error, fragment):
 # 2 gloo ranks: the vocabulary-parallel form (each rank holds a block of the head's rows) and an FSDP2-sharded head
 
 
-def _rank(rank: int, world: int, store: str, results: str) -> None:
+def _rank(rank: int, world: int) -> tuple:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        for tiles in (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND):
-            tiles.tile_elements, tiles.min_vocab_tile = 64, 8  # several tiles per shard
-        hidden, weight, bias, ids, upstream = make_inputs(seed=5)
-        block = slice(0, 161) if rank == 0 else slice(161, V)  # uneven shards; the padded rows all on rank 1
-        x = hidden.clone().requires_grad_(True)
-        w, b = weight[block].clone().requires_grad_(True), bias[block].clone().requires_grad_(True)
-        logp, entropy = fused_linear_log_softmax(
-            x[:, 1 : T + 1], w, ids, temperature=TAU, bias=b, vocab_parallel_group=dist.group.WORLD
-        )
-        torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
-        sharded = (logp, entropy, x.grad, w.grad, b.grad)
+    for tiles in (linear_folds_torch.BACKEND, linear_folds_triton.BACKEND):
+        tiles.tile_elements, tiles.min_vocab_tile = 64, 8  # several tiles per shard
+    hidden, weight, bias, ids, upstream = make_inputs(seed=5)
+    block = slice(0, 161) if rank == 0 else slice(161, V)  # uneven shards; the padded rows all on rank 1
+    x = hidden.clone().requires_grad_(True)
+    w, b = weight[block].clone().requires_grad_(True), bias[block].clone().requires_grad_(True)
+    logp, entropy = fused_linear_log_softmax(
+        x[:, 1 : T + 1], w, ids, temperature=TAU, bias=b, vocab_parallel_group=dist.group.WORLD
+    )
+    torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
+    sharded = (logp, entropy, x.grad, w.grad, b.grad)
 
-        # the per-token GRPO loss on this rank's logits shard (grpo_loss's vocabulary-parallel form)
-        shard = (hidden[:, 1 : T + 1] @ weight[block].T + bias[block]).requires_grad_(True)
-        out = grpo_loss(shard, ids, upstream[0, :, 0].float(), reduction="none", vocab_parallel_group=dist.group.WORLD,
-                        beta=0.1, ref_logp=logp.detach() - 0.2, top_entropy_quantile=0.5, temperature=TAU)  # fmt: skip
-        (out.loss * upstream[1].float()).sum().backward()
-        per_token = (out.loss, shard.grad)
+    # the per-token GRPO loss on this rank's logits shard (grpo_loss's vocabulary-parallel form)
+    shard = (hidden[:, 1 : T + 1] @ weight[block].T + bias[block]).requires_grad_(True)
+    out = grpo_loss(shard, ids, upstream[0, :, 0].float(), reduction="none", vocab_parallel_group=dist.group.WORLD,
+                    beta=0.1, ref_logp=logp.detach() - 0.2, top_entropy_quantile=0.5, temperature=TAU)  # fmt: skip
+    (out.loss * upstream[1].float()).sum().backward()
+    per_token = (out.loss, shard.grad)
 
-        head = torch.nn.Linear(H, V)
-        with torch.no_grad():
-            head.weight.copy_(weight)
-            head.bias.copy_(bias)
-        fully_shard(head)
-        assert isinstance(head.weight, DTensor)
-        x = hidden.clone().requires_grad_(True)
-        logp, entropy = fused_linear_log_softmax(x[:, 1 : T + 1], head.weight, ids, temperature=TAU, bias=head.bias)
-        # each data rank's share of the mean: FSDP averages the two ranks' gradients
-        torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
-        fsdp = (x.grad, head.weight.grad.full_tensor(), head.bias.grad.full_tensor())
-        torch.save((sharded, fsdp, per_token), os.path.join(results, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    head = torch.nn.Linear(H, V)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
+    fully_shard(head)
+    assert isinstance(head.weight, DTensor)
+    x = hidden.clone().requires_grad_(True)
+    logp, entropy = fused_linear_log_softmax(x[:, 1 : T + 1], head.weight, ids, temperature=TAU, bias=head.bias)
+    # each data rank's share of the mean: FSDP averages the two ranks' gradients
+    torch.autograd.backward([logp, entropy], [upstream[0].float(), upstream[1].float()])
+    fsdp = (x.grad, head.weight.grad.full_tensor(), head.bias.grad.full_tensor())
+    return sharded, fsdp, per_token
 
 
 def test_vocab_parallel_and_fsdp2_equal_the_unsharded_oracle():
-    with tempfile.TemporaryDirectory() as tmp:
-        start_ranks(_rank, (2, os.path.join(tmp, "store"), tmp), 2)
-        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    per_rank = rank_results(_rank, (), 2)
     hidden, weight, bias, ids, upstream = make_inputs(seed=5)
     ref_logp, ref_entropy, (dx, dw, db) = oracle(hidden, weight, bias, ids, upstream)
     logits = (hidden[:, 1 : T + 1].double() @ weight.double().T + bias.double()).requires_grad_(True)

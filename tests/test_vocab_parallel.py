@@ -1,9 +1,6 @@
 """Vocabulary-parallel loss: P gloo ranks each hold a contiguous vocabulary shard of the logits; the merged loss,
 ℓ, H and metrics equal the unsharded oracle's, and each rank's gradient equals the oracle's on its shard."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +9,7 @@ from grpo_kernels import grpo_loss
 from reference import reference_grpo_loss
 
 from .conftest import needs_triton_cpu
-from .ranks import start_ranks
+from .ranks import rank_results
 
 B, T, V = 2, 4, 37  # 37 splits unevenly over 2 and 4 ranks
 
@@ -42,23 +39,17 @@ def _inputs():
     return logits, ids, adv, mask, old, ref
 
 
-def _rank_main(rank: int, world: int, store: str, results: str, backend: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        logits, ids, adv, mask, old, ref = _inputs()
-        shard = _shards(world)[rank]
-        outputs = []
-        for options in OPTIONS:
-            x = logits[:, :, shard].clone().requires_grad_(True)
-            out = grpo_loss(
-                x, ids, adv, mask, old, ref, vocab_parallel_group=dist.group.WORLD, backend=backend, **options
-            )
-            out.loss.backward()
-            metrics = {k: float(v) for k, v in out.metrics.items()}
-            outputs.append((float(out.loss), out.logp, out.entropy, x.grad, metrics))
-        torch.save(outputs, os.path.join(results, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, world: int, backend: str) -> list:
+    logits, ids, adv, mask, old, ref = _inputs()
+    shard = _shards(world)[rank]
+    outputs = []
+    for options in OPTIONS:
+        x = logits[:, :, shard].clone().requires_grad_(True)
+        out = grpo_loss(x, ids, adv, mask, old, ref, vocab_parallel_group=dist.group.WORLD, backend=backend, **options)
+        out.loss.backward()
+        metrics = {k: float(v) for k, v in out.metrics.items()}
+        outputs.append((float(out.loss), out.logp, out.entropy, x.grad, metrics))
+    return outputs
 
 
 @pytest.mark.parametrize(
@@ -66,10 +57,7 @@ def _rank_main(rank: int, world: int, store: str, results: str, backend: str) ->
 )
 def test_vocab_parallel_equals_unsharded_oracle(world, backend):
     # backend="triton": the shard partials kernel and the gradient kernel (interpreted on a CPU)
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        start_ranks(_rank_main, (world, store, tmp, backend), world)
-        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    per_rank = rank_results(_rank_main, (backend,), world)
     logits, ids, adv, mask, old, ref = _inputs()
     worst = 0.0
     for i, options in enumerate(OPTIONS):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..ranks import start_ranks
+from ..ranks import rank_results
 
 # A character-level vocabulary: every lowercase letter is one token, so a rule-based reward reads them back.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -83,7 +83,7 @@ def char_fraction_reward(chars: str = "abcdefghijklm"):
 # Data-parallel runs: processes joined as torchrun / accelerate launch would join them
 
 
-def _rank_entry(rank: int, world: int, port: int, tmp: str, check: Callable, model_dir: str) -> None:
+def _rank_entry(rank: int, world: int, port: int, tmp: str, check: Callable, model_dir: str) -> list[str]:
     # the variables torchrun / accelerate launch set; accelerate then joins a gloo group on CPU
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -91,19 +91,16 @@ def _rank_entry(rank: int, world: int, port: int, tmp: str, check: Callable, mod
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     try:
-        verdicts = check(rank, model_dir, os.path.join(tmp, f"out{rank}"))
+        return check(rank, model_dir, os.path.join(tmp, f"out{rank}"))
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        verdicts = [traceback.format_exc()]
-    torch.save(verdicts, os.path.join(tmp, f"rank{rank}.pt"))
+        return [traceback.format_exc()]
 
 
 def run_ranks(check: Callable[[int, str, str], list[str]], model_dir: Path, world: int) -> list[list[str]]:
-    """Run `check(rank, model_dir, output_dir)` in `world` spawned processes that see the torchrun variables; return
-    each rank's verdicts ("ok" or what went wrong), an exception's traceback included."""
+    """Run `check(rank, model_dir, output_dir)` in `world` processes that see the torchrun variables; return each
+    rank's verdicts ("ok" or what went wrong), an exception's traceback included."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        args = (world, port, tmp, check, str(model_dir))
-        start_ranks(_rank_entry, args, world)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+        return rank_results(_rank_entry, (port, tmp, check, str(model_dir)), world, group=False)

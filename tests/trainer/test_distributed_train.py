@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from grpo_kernels.trainer import loop, model, train
 from grpo_kernels.trainer.checkpoint import ADAPTER_FILE, list_checkpoints
 
-from ..ranks import start_ranks
+from ..ranks import rank_results
 from .conftest import tiny_argv, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -243,7 +243,7 @@ def _counting_allreduce(state: dict, bucket):
     return allreduce_hook(None, bucket)
 
 
-def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir: Path, dataset_file: Path) -> None:
+def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir: Path, dataset_file: Path) -> dict:
     """One rank of a 2-process `train` (a group the caller initialized, as under accelerate's Accelerator): records
     which model every `completion_logits` call got, with or without autograd, and DDP's gradient all-reduces."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -274,7 +274,7 @@ def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir:
         )
         result = train(cfg)
         lora = {k: v.tolist() for k, v in result.model.named_parameters() if v.requires_grad}
-        (out_dir.parent / f"rank{rank}.json").write_text(json.dumps({"calls": calls, **comm, "lora": lora}))
+        return {"calls": calls, **comm, "lora": lora}
     finally:
         dist.destroy_process_group()
 
@@ -285,8 +285,7 @@ def test_the_policy_update_runs_through_ddp_with_one_all_reduce_per_optimizer_st
     backwards of each of the 2 optimizer steps only the last all-reduces (no_sync), and the ranks end with the same
     adapter. Dropping no_sync doubles the all-reduces (the adapter would not change: averaging is linear), which no
     adapter comparison can see."""
-    start_ranks(_record_forwards, (2, free_port(), tmp_path / "run", model_dir, dataset_file), 2)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(_record_forwards, (free_port(), tmp_path / "run", model_dir, dataset_file), 2, group=False)
     for rec in ranks:
         update = [name for grad, name in rec["calls"] if grad]
         logp = [name for grad, name in rec["calls"] if not grad]
