@@ -13,19 +13,17 @@ import os
 from importlib import metadata
 
 # pytest-xdist workers (`-n 2`, the README's test command) run one intra-op thread each, as do the processes they
-# start (the variable is inherited). torch's default, a thread per core in every worker, oversubscribes the cores:
-# OpenMP threads that spin-wait at the end of each parallel region then take turns with the other worker's. On the
-# 2-core CI machine one thread per worker cut the suite's summed test time from 892 s to 763 s, TRL's parity module
-# alone from 74 s to 9 s. A test that needs more threads sets them itself (tests/ops/test_cpu_rows.py).
+# start: torch reads the variable when it is first imported, below, and child processes inherit it. torch's default,
+# a thread per core in every worker, oversubscribes the cores: OpenMP threads that spin-wait at the end of each
+# parallel region then take turns with the other worker's. On the 2-core CI machine one thread per worker cut the
+# suite's summed test time from 892 s to 763 s, TRL's parity module alone from 74 s to 9 s. A value set before pytest
+# is kept; a test that needs more threads sets them itself (tests/ops/test_cpu_rows.py).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 from hypothesis import settings
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def interpreter_blocker(triton_version: str | None, numpy_version: str | None) -> str | None:
