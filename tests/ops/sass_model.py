@@ -131,6 +131,7 @@ class Structure:
     row_back: int  # index of its back branch
     inner: list[tuple[int, int]]  # innermost loops (head, back), in program order
     tile_loops: list[tuple[int, int]]  # the innermost loops holding MUFU.EX2, in program order
+    tile_loop_at: list[tuple[int, int] | None]  # per instruction: the tile loop holding it, if any
 
 
 def structure(code: list[Instr]) -> Structure:
@@ -141,7 +142,10 @@ def structure(code: list[Instr]) -> Structure:
     if not outer:
         raise ValueError("no row loop around the tile loops")
     head, back = max(outer, key=lambda ab: ab[1] - ab[0])
-    return Structure(head, back, inner, tiles)
+    loop_at: list[tuple[int, int] | None] = [None] * len(code)
+    for a, b in tiles:
+        loop_at[a : b + 1] = [(a, b)] * (b + 1 - a)
+    return Structure(head, back, inner, tiles, loop_at)
 
 
 def _walk(code: list[Instr], start: int, stop: int, trips: dict[tuple[int, int], int], index: dict[int, int],
@@ -235,14 +239,11 @@ def walk_rows(code: list[Instr], tile_trips: list[int], rows: int) -> tuple[list
     for a, b in st.tile_loops:
         waits = [m for j in range(a, b + 1) if (m := _DEPBAR.search(code[j].text))]
         outstanding[(a, b)] = int(waits[0].group(1), 0) if waits else 0
-    loop_of: list[tuple[int, int] | None] = [None] * len(code)
-    for a, b in st.tile_loops:
-        loop_of[a : b + 1] = [(a, b)] * (b + 1 - a)
     copy = [c.op.startswith("LDGSTS") for c in code]
     commit = [c.op == "LDGDEPBAR" for c in code]
     off, group = set(), 0
     for pos, (i, trip) in enumerate(walked):
-        loop = loop_of[i]
+        loop = st.tile_loop_at[i]
         if loop is not None:
             group = 0
             if copy[i] and trip + outstanding[loop] + 1 >= trips[loop]:

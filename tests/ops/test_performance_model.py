@@ -251,8 +251,7 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     counts = sass_model.pipe_counts(code, seq[starts[-1] : ends[-1]])
     setup = sass_model.pipe_counts(code, seq[: starts[0]])
     per_row = {k: counts[k] + setup[k] / rows_per_program for k in counts}
-    in_loops = {i for a, b in st.tile_loops for i in range(a, b + 1)}
-    loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if i in in_loops)
+    loop_instr = sum(1 for i in seq[starts[-1] : ends[-1]] if st.tile_loop_at[i] is not None)
     leads = [sass_model.pipelined_lead(code, lp) for lp in st.tile_loops]
     regions = sass_model.row_regions(code, st.tile_loops, seq, times, starts[-1], ends[-1], share)
     return row_cycles, per_row, loop_instr, leads, regions
