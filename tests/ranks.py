@@ -33,8 +33,13 @@ _PRELOAD = ["torch", "torch.distributed", "grpo_kernels", "reference"]
 
 def rank_results(fn: Callable[..., Any], args: tuple, world: int, group: bool = True) -> list:
     """`fn(rank, world, *args)` in `world` ranks (in one gloo group unless `group` is False); its results by rank."""
+    # The modules a rank unpickles its arguments from (this one, `fn`'s, any function passed to it); the list is
+    # read when the fork server starts, at a test process's first call: later calls import what it lacks per rank.
+    modules = [__name__, *(a.__module__ for a in (fn, *args) if callable(a) and hasattr(a, "__module__"))]
+    multiprocessing.set_forkserver_preload([*_PRELOAD, *dict.fromkeys(modules)])
     with tempfile.TemporaryDirectory() as tmp:
-        _start(_rank, (fn, world, tmp, group, *args), world)
+        ranks = (fn, world, tmp, group, *args)
+        mp.start_processes(_rank, args=ranks, nprocs=world, join=True, start_method="forkserver")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -48,10 +53,3 @@ def _rank(rank: int, fn: Callable[..., Any], world: int, tmp: str, group: bool, 
             dist.destroy_process_group()
     torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
 
-
-def _start(fn: Callable[..., None], args: tuple, world: int) -> None:
-    # The modules of `fn` and of any function it is passed (unpickled in each rank by importing them); the list is
-    # read when the fork server starts, at a test process's first call: later calls import what it lacks per rank.
-    modules = [fn.__module__, *(a.__module__ for a in args if callable(a) and hasattr(a, "__module__"))]
-    multiprocessing.set_forkserver_preload([*_PRELOAD, *dict.fromkeys(modules)])
-    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="forkserver")

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -243,12 +242,10 @@ def _counting_allreduce(state: dict, bucket):
     return allreduce_hook(None, bucket)
 
 
-def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir: Path, dataset_file: Path) -> dict:
+def _record_forwards(rank: int, world: int, out_dir: Path, model_dir: Path, dataset_file: Path) -> dict:
     """One rank of a 2-process `train` (a group the caller initialized, as under accelerate's Accelerator): records
     which model every `completion_logits` call got, with or without autograd, and DDP's gradient all-reduces."""
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ["HF_DATASETS_CACHE"] = str(out_dir.parent / f"datasets-cache-{rank}")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     calls, comm = [], {"all_reduces": 0}
     real = loop.completion_logits
 
@@ -260,23 +257,20 @@ def _record_forwards(rank: int, world: int, port: int, out_dir: Path, model_dir:
         return real(model, *args, **kwargs)
 
     loop.completion_logits = model.completion_logits = recording  # the update's forwards and the log-probs'
-    try:
-        cfg = tiny_config(
-            model_dir,
-            dataset_file,
-            out_dir,
-            device="cpu",
-            max_steps=1,
-            num_iterations=2,
-            gradient_accumulation_steps=2,
-            beta=0.1,
-            reward_funcs="tests.trainer.helpers:digit_reward",
-        )
-        result = train(cfg)
-        lora = {k: v.tolist() for k, v in result.model.named_parameters() if v.requires_grad}
-        return {"calls": calls, **comm, "lora": lora}
-    finally:
-        dist.destroy_process_group()
+    cfg = tiny_config(
+        model_dir,
+        dataset_file,
+        out_dir,
+        device="cpu",
+        max_steps=1,
+        num_iterations=2,
+        gradient_accumulation_steps=2,
+        beta=0.1,
+        reward_funcs="tests.trainer.helpers:digit_reward",
+    )
+    result = train(cfg)
+    lora = {k: v.tolist() for k, v in result.model.named_parameters() if v.requires_grad}
+    return {"calls": calls, **comm, "lora": lora}
 
 
 def test_the_policy_update_runs_through_ddp_with_one_all_reduce_per_optimizer_step(model_dir, dataset_file, tmp_path):
@@ -285,7 +279,7 @@ def test_the_policy_update_runs_through_ddp_with_one_all_reduce_per_optimizer_st
     backwards of each of the 2 optimizer steps only the last all-reduces (no_sync), and the ranks end with the same
     adapter. Dropping no_sync doubles the all-reduces (the adapter would not change: averaging is linear), which no
     adapter comparison can see."""
-    ranks = rank_results(_record_forwards, (free_port(), tmp_path / "run", model_dir, dataset_file), 2, group=False)
+    ranks = rank_results(_record_forwards, (tmp_path / "run", model_dir, dataset_file), 2)
     for rec in ranks:
         update = [name for grad, name in rec["calls"] if grad]
         logp = [name for grad, name in rec["calls"] if not grad]
