@@ -1242,10 +1242,11 @@ def pass2_window(rows_in_flight: int, row_bytes: int, l2_bytes: int) -> float:
 
 
 def _pass2_tiles(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int,
-                 scalar: bool = False) -> int:  # fmt: skip
+                 scalar: bool = False, arch: int | None = None, head: bool = False) -> int:  # fmt: skip
     """The fused kernel's pass-2 window (`pass2_window`) in whole tiles, within the share: for the rows in flight
     of its grid on this device (the interpreter's one program per row plans as the GPU would)."""
-    in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, num_warps, fused_grid_mode(), scalar)
+    in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, num_warps, fused_grid_mode(), scalar,
+                           arch, head)  # fmt: skip
     share = pass2_window(in_flight, vocab * elem_bytes, l2_bytes)
     return max(1, math.floor(share * -(-vocab // block_v)))
 
@@ -1263,8 +1264,10 @@ def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int
     scalar = _scalar_rows(logits, out)
     realigned = not scalar and not _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
     narrow = _narrow_plan(logits, "fused")
-    block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, _device_arch(logits.device))
-    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar)
+    arch = _device_arch(logits.device)
+    block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, arch)
+    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar,
+                          arch, realigned)  # fmt: skip
     return scalar, block_v, num_warps, window
 
 
@@ -1283,7 +1286,8 @@ def tiles_in_flight() -> int:
     return count
 
 
-def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4, scalar: bool = False) -> int:
+def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4, scalar: bool = False,
+                     arch: int | None = None, head: bool = False) -> int:  # fmt: skip
     """Resident programs per SM the plan counts on. Single-pass kernels: 16 warps' worth, at least two (a third
     program of 8 or 16 warps would cap registers below what a pipelined tile of 16 or 32 logits per thread needs
     without spilling; four of 4 warps in the 16-bit scans' plan, whose rows in flight overlap each other's serial
@@ -1291,10 +1295,18 @@ def _programs_per_sm(num_warps: int, two_pass: bool, elem_bytes: int = 4, scalar
     logits 12 warps' worth, at least one (its two tile loops and float64 log-ratio scalars need more than 128
     registers at 32 fp32 logits per thread: one program of 8 or 16 warps); over 16-bit logits 16 warps' worth, at
     most three (32 logits per thread are 16 registers of words: two programs of 8 warps fit 128 registers, three
-    of 4 warps at most 170), but for `scalar` rows, read logit by logit, which spill at 128 (as fp32)."""
+    of 4 warps at most 170), but for `scalar` rows, read logit by logit, which spill at 128 (as fp32). On sm_100
+    (`arch` >= 100; None: REFERENCE_ARCH, the device a plan off CUDA is made for) the fused kernel's realigned
+    16-bit rows (`head`: the tail tile held across the pass) spill at 128 registers (two 8-warp programs per SM,
+    the wide plan of V = 50257: the default keeps 4 warps there, `_fused_block_config`): one program per SM there,
+    which `_launch_plan` gives its registers and `_grid_size` its grid."""
     if not two_pass:
         return max(2, 16 // num_warps)
-    return max(1, min(3, 16 // num_warps)) if elem_bytes == 2 and not scalar else max(1, 12 // num_warps)
+    if elem_bytes != 2 or scalar:
+        return max(1, 12 // num_warps)
+    per_sm = max(1, min(3, 16 // num_warps))
+    arch = REFERENCE_ARCH if arch is None else arch
+    return 1 if arch >= 100 and head and _max_registers(num_warps, per_sm) <= 128 else per_sm
 
 
 def _fused_grid(
@@ -1331,18 +1343,20 @@ def _fused_time(grid: int, row_bytes: int, elem_bytes: int, sms: int, l2_bytes: 
 
 
 def _grid_size(rows: int, vocab: int, elem_bytes: int, two_pass: bool, sms: int, l2_bytes: int, num_warps: int = 16,
-               mode: str | None = None, scalar: bool = False) -> int:  # fmt: skip
+               mode: str | None = None, scalar: bool = False, arch: int | None = None,
+               head: bool = False) -> int:  # fmt: skip
     """Programs to launch. Single pass: one program per row (the hardware keeps as many resident as registers and
-    shared memory allow). Two passes: `_fused_grid` (`scalar`: rows read logit by logit, `_programs_per_sm`)."""
+    shared memory allow). Two passes: `_fused_grid` (`scalar`: rows read logit by logit; `arch`, `head`: the
+    device and realigned rows; `_programs_per_sm`)."""
     if not two_pass:
         return max(1, rows)
-    per_sm = _programs_per_sm(num_warps, True, elem_bytes, scalar)
+    per_sm = _programs_per_sm(num_warps, True, elem_bytes, scalar, arch, head)
     return _fused_grid(rows, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
 
 
 def _pipeline(
     block_v: int, elem_bytes: int, vocab: int, two_pass: bool, sms: int, l2_bytes: int, num_warps: int = 16,
-    mode: str | None = None,
+    mode: str | None = None, arch: int | None = None, head: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
     """(NUM_STAGES, resident programs per SM planned) of one launch.
 
@@ -1352,7 +1366,7 @@ def _pipeline(
     rows)."""
     tiles = -(-vocab // block_v)
     tile_bytes = block_v * elem_bytes
-    per_sm = _programs_per_sm(num_warps, two_pass, elem_bytes)
+    per_sm = _programs_per_sm(num_warps, two_pass, elem_bytes, arch=arch, head=head)
     resident = per_sm * sms
     if two_pass:
         resident = _fused_grid(1 << 30, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
@@ -1376,20 +1390,17 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     x = args["x_ptr"]
     num_warps = args.get("num_warps", 4)  # 4: Triton's default
     mode = fused_grid_mode() if two_pass else None
+    arch = _device_arch(x.device)
     stages, per_sm = _pipeline(
-        args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device), num_warps, mode
-    )
+        args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device), num_warps, mode, arch,
+        bool(args.get("HEAD")),
+    )  # fmt: skip
     if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads: no cp.async to pipeline, one program per SM
         return 1, _max_registers(num_warps, 1)
     maxnreg = _max_registers(num_warps, per_sm)
-    if _device_arch(x.device) >= 100 and maxnreg <= 64 and x.element_size() == 4:
+    if arch >= 100 and maxnreg <= 64 and x.element_size() == 4:
         # sm_100's ptxas spills a pipelined fp32 row at 64 registers (two 16-warp programs per SM): one program
         # per SM there, its tiles in flight (96 KiB) more than two programs' would be (test_performance_model.py).
-        maxnreg = _max_registers(num_warps, 1)
-    if _device_arch(x.device) >= 100 and two_pass and maxnreg <= 128 and args.get("HEAD"):
-        # and the fused kernel's realigned 16-bit rows (V = 50257: the tail tile held across the pass) in two 8-warp
-        # programs per SM at 128 (the wide plan: the default keeps 4 warps there, `_fused_block_config`): one
-        # program per SM there
         maxnreg = _max_registers(num_warps, 1)
     return stages, maxnreg
 
@@ -1415,13 +1426,16 @@ def _device_caps_of(device: torch.device) -> tuple[int, int]:
     return _device_caps(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _num_programs(rows: int, logits: torch.Tensor, two_pass: bool, num_warps: int = 16, scalar: bool = False) -> int:
-    """Grid size on the logits' device (`_grid_size`); under the interpreter one program per row."""
+def _num_programs(rows: int, logits: torch.Tensor, two_pass: bool, num_warps: int = 16, scalar: bool = False,
+                  head: bool = False) -> int:  # fmt: skip
+    """Grid size on the logits' device (`_grid_size`; `head`: realigned rows); under the interpreter one program per
+    row."""
     if logits.device.type != "cuda":
         return rows
     mode = fused_grid_mode() if two_pass else None
     caps = _device_caps_of(logits.device)
-    return _grid_size(rows, logits.shape[-1], logits.element_size(), two_pass, *caps, num_warps, mode, scalar)
+    return _grid_size(rows, logits.shape[-1], logits.element_size(), two_pass, *caps, num_warps, mode, scalar,
+                      _device_arch(logits.device), head)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------------

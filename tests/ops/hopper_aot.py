@@ -277,7 +277,8 @@ def _specialize(cfg: dict) -> dict:
     try:
         if "window" in jit.arg_names:  # the fused kernel's pass-2 window, as its launcher computes it
             probe["window"] = module._pass2_tiles(vocab, ELEMENT_BYTES[dtype], block_v, num_warps,
-                                                  module.REFERENCE_SMS, module.REFERENCE_L2_BYTES, scalar)  # fmt: skip
+                                                  module.REFERENCE_SMS, module.REFERENCE_L2_BYTES, scalar,
+                                                  cfg.get("arch", 90), bool(flags.get("HEAD")))  # fmt: skip
         for name, heur in getattr(kernel, "values", {}).items():  # in order: later heuristics see earlier ones
             if name in flags:
                 continue

@@ -622,6 +622,25 @@ def test_fused_plan_per_arch(arch, plans, monkeypatch):
         assert triton_logits._fused_plan(x.float(), x.float())[1:3] == (8192, 8)  # fp32 rows: one plan
 
 
+def test_wide_fused_plan_on_sm100_runs_one_program_per_sm(monkeypatch):
+    """With the narrow 16-bit plans off, the fused kernel's realigned bf16 rows at V = 50257 keep the 8-warp plan;
+    sm_100's ptxas spills it at the 128 registers of two programs per SM, so there its registers and its grid both
+    count one program per SM (the grid does not launch a second program per SM that would wait for the first);
+    aligned rows and Hopper keep two."""
+    monkeypatch.setattr(triton_logits, "NARROW_16BIT", False)
+    sms, l2 = triton_logits.REFERENCE_SMS, triton_logits.REFERENCE_L2_BYTES
+    for arch, head, per_sm in ((90, True, 2), (100, False, 2), (100, True, 1)):
+        monkeypatch.setattr(triton_logits, "REFERENCE_ARCH", arch)
+        vocab = 50257 if head else 50304
+        x = torch.zeros(1, 2, vocab, dtype=torch.bfloat16)
+        assert triton_logits._fused_plan(x, x)[1:3] == (8192, 8)
+        assert triton_logits._programs_per_sm(8, True, 2, arch=arch, head=head) == per_sm
+        args = {"x_ptr": x, "BLOCK_V": 8192, "V": vocab, "num_warps": 8, "ALIGNED": not head, "HEAD": head}
+        assert triton_logits._launch_plan(args, two_pass=True)[1] == triton_logits._max_registers(8, per_sm)
+        grid = triton_logits._grid_size(1 << 20, vocab, 2, True, sms, l2, 8, "sms", arch=arch, head=head)
+        assert grid == per_sm * sms, (arch, head, grid)
+
+
 @pytest.mark.parametrize(
     ("vocab", "plan"), [(32784, (8192, 8)), (32785, (8192, 8)), (65552, (16384, 16)), (65553, (16384, 16))]
 )  # aligned (overlapping last tile) and realigned (masked tail)
