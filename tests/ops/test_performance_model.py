@@ -372,6 +372,31 @@ def test_every_row_meets_the_copy_rate(model):
     assert not above, f"listed in MISSES but now at or above the copy rate (shrink the list): {above}"
 
 
+def test_misses_need_more_on_chip_than_the_plan_holds(model):
+    """Why the MISSES shapes miss, as figures (docs/performance.md, section 4): one row per SM, every SM busy, so
+    pass 2 finds its row in L2 only if each row in flight keeps on chip the share of it that L2_FRACTION of L2
+    cannot: row bytes − budget / rows in flight. Registers are the only storage a Triton program holds across a
+    pass (its shared memory is the pipeline's), and the plan leaves (maxnreg − registers) x threads of them; both
+    are printed. Each listed shape needs more than that, and fewer rows in flight would idle SMs: so a listed shape
+    leaves the table only through a row split across CTAs (or a plan that frees that many registers)."""
+    print("\nMISSES: bytes a row would have to keep on chip for pass 2 to hit L2 (predictions)")
+    print(f"{'device':<7}{'dtype':<6}{'V':>7}{'rows':>6}{'row KiB':>9}{'hold KiB':>9}{'free regs KiB':>14}{'split':>6}")
+    short = []
+    for m in model:
+        if m["grid_mode"] != "default" or (m["label"], m["dtype"], m["vocab"]) not in MISSES:
+            continue
+        row_bytes = m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]]
+        budget = triton_logits.L2_FRACTION * m["l2"]
+        hold = row_bytes - budget / m["resident"]
+        free = (m["plan"][5] - m["regs"]) * 4 * 32 * m["warps"]  # _plan's maxnreg, less the compile's registers
+        split = math.ceil(m["resident"] * row_bytes / budget)  # CTAs per row for its slices to fit the budget
+        print(f"{m['device']:<7}{m['dtype']:<6}{m['vocab']:>7}{m['resident']:>6}{row_bytes / 1024:>9.1f}"
+              f"{hold / 1024:>9.1f}{free / 1024:>14.1f}{split:>6}")  # fmt: skip
+        if hold <= free or m["resident"] > triton_logits.REFERENCE_SMS:
+            short.append((m["device"], m["dtype"], m["vocab"], m["resident"], round(hold), free))
+    assert not short, f"listed in MISSES but a register-held share or fewer rows per SM would fit L2: {short}"
+
+
 def test_in_flight_target_follows_littles_law():
     """32 KiB per SM over 132 SMs covers the copy rate at 0.7 µs with 40 % to spare (22.8 KB needed)."""
     needed = COPY_BANDWIDTH * LATENCY / triton_logits.REFERENCE_SMS
