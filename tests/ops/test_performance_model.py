@@ -378,9 +378,12 @@ def test_misses_need_more_on_chip_than_the_plan_holds(model):
     cannot: row bytes − budget / rows in flight. Registers are the only storage a Triton program holds across a
     pass (its shared memory is the pipeline's), and the plan leaves (maxnreg − registers) x threads of them; both
     are printed. Each listed shape needs more than that, and fewer rows in flight would idle SMs: so a listed shape
-    leaves the table only through a row split across CTAs (or a plan that frees that many registers)."""
-    print("\nMISSES: bytes a row would have to keep on chip for pass 2 to hit L2 (predictions)")
-    print(f"{'device':<7}{'dtype':<6}{'V':>7}{'rows':>6}{'row KiB':>9}{'hold KiB':>9}{'free regs KiB':>14}{'split':>6}")
+    leaves the table only through a row split across CTAs (or a plan that frees that many registers). Also printed:
+    the latency bound were every wait of the row hidden (its issue and stall cycles alone, as a pipeline over the
+    program's rows would leave them), against the DRAM bound, which such a pipeline does not move."""
+    print("\nMISSES: bytes a row would have to keep on chip for pass 2 to hit L2 (predictions; TB/s of floor traffic)")
+    print(f"{'device':<7}{'dtype':<6}{'V':>7}{'rows':>6}{'row KiB':>9}{'hold KiB':>9}{'free regs KiB':>14}{'split':>6}"
+          f"{'latency':>8}{'no waits':>9}{'DRAM':>6}")  # fmt: skip
     short = []
     for m in model:
         if m["grid_mode"] != "default" or (m["label"], m["dtype"], m["vocab"]) not in MISSES:
@@ -390,8 +393,11 @@ def test_misses_need_more_on_chip_than_the_plan_holds(model):
         hold = row_bytes - budget / m["resident"]
         free = (m["plan"][5] - m["regs"]) * 4 * 32 * m["warps"]  # _plan's maxnreg, less the compile's registers
         split = math.ceil(m["resident"] * row_bytes / budget)  # CTAs per row for its slices to fit the budget
+        busy = sum(c["issue"] + c["stall"] for c in m["row_regions"].values())  # a steady row's cycles less its waits
+        unwaited = m["resident"] * row_bytes * m["dram"] * SUSTAINED_CLOCK / busy
         print(f"{m['device']:<7}{m['dtype']:<6}{m['vocab']:>7}{m['resident']:>6}{row_bytes / 1024:>9.1f}"
-              f"{hold / 1024:>9.1f}{free / 1024:>14.1f}{split:>6}")  # fmt: skip
+              f"{hold / 1024:>9.1f}{free / 1024:>14.1f}{split:>6}{m['full_latency'] / 1e12:>8.2f}"
+              f"{unwaited / 1e12:>9.2f}{m['full_dram'] / 1e12:>6.2f}")  # fmt: skip
         if hold <= free or m["resident"] > triton_logits.REFERENCE_SMS:
             short.append((m["device"], m["dtype"], m["vocab"], m["resident"], round(hold), free))
     assert not short, f"listed in MISSES but a register-held share or fewer rows per SM would fit L2: {short}"
