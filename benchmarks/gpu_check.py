@@ -242,7 +242,7 @@ def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, 
     try:
         for share in (None, 1.0):
             tk.PASS2_WINDOW = share
-            _, block_v, _, tiles = tk._fused_plan(x, x)
+            _, block_v, _, tiles, _ = tk._fused_plan(x, x)
             row = {"order": "launcher's" if share is None else "row order", "window_tiles": tiles,
                    "tiles": -(-vocab // block_v)}  # fmt: skip
             rows.append(_timed_row(row, nbytes, fn, device, dry))

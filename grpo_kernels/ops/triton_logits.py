@@ -1257,9 +1257,9 @@ def _rotates(window: int, vocab: int, block_v: int) -> bool:
     return window < -(-vocab // block_v)
 
 
-def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int, int]:
-    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles) of `fused_token_grad`'s launch on the logits'
-    device."""
+def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int, int, bool]:
+    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles, realigned rows: the kernel's HEAD) of
+    `fused_token_grad`'s launch on the logits' device."""
     vocab = logits.shape[-1]
     scalar = _scalar_rows(logits, out)
     realigned = not scalar and not _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
@@ -1268,7 +1268,7 @@ def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int
     block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, arch)
     window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar,
                           arch, realigned)  # fmt: skip
-    return scalar, block_v, num_warps, window
+    return scalar, block_v, num_warps, window, realigned
 
 
 def tiles_in_flight() -> int:
@@ -1587,8 +1587,8 @@ def fused_token_grad(
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    scalar, block_v, num_warps, window = _fused_plan(logits, out)
-    grid = (_num_programs(rows, logits, True, num_warps, scalar),)
+    scalar, block_v, num_warps, window, realigned = _fused_plan(logits, out)
+    grid = (_num_programs(rows, logits, True, num_warps, scalar, realigned),)
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)
     fused_token_grad_fwd_kernel[grid](

@@ -629,6 +629,13 @@ def test_wide_fused_plan_on_sm100_runs_one_program_per_sm(monkeypatch):
     aligned rows and Hopper keep two."""
     monkeypatch.setattr(triton_logits, "NARROW_16BIT", False)
     sms, l2 = triton_logits.REFERENCE_SMS, triton_logits.REFERENCE_L2_BYTES
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+
+    def stop(*args, **kwargs):  # the launcher's grid call, before any launch
+        calls.append(args)
+        raise InterruptedError
+
     for arch, head, per_sm in ((90, True, 2), (100, False, 2), (100, True, 1)):
         monkeypatch.setattr(triton_logits, "REFERENCE_ARCH", arch)
         vocab = 50257 if head else 50304
@@ -639,6 +646,11 @@ def test_wide_fused_plan_on_sm100_runs_one_program_per_sm(monkeypatch):
         assert triton_logits._launch_plan(args, two_pass=True)[1] == triton_logits._max_registers(8, per_sm)
         grid = triton_logits._grid_size(1 << 20, vocab, 2, True, sms, l2, 8, "sms", arch=arch, head=head)
         assert grid == per_sm * sms, (arch, head, grid)
+        # and the launcher sizes its grid for the realigned rows it launches (`_num_programs` gets `head`)
+        monkeypatch.setattr(triton_logits, "_num_programs", stop)
+        with pytest.raises(InterruptedError):
+            run_fused(x, torch.zeros(1, 2, dtype=torch.long), LossConfig(loss_type="grpo"), token_inputs(1, 2, gen))
+        assert calls[-1][-1] is head, calls[-1]
 
 
 @pytest.mark.parametrize(
