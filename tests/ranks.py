@@ -52,4 +52,3 @@ def _rank(rank: int, fn: Callable[..., Any], world: int, tmp: str, group: bool, 
         if group:
             dist.destroy_process_group()
     torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-

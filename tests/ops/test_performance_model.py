@@ -115,7 +115,8 @@ def configs_for(site: str | None) -> tuple[list[dict], list[dict]]:
     return list(compiles.values()), rows
 
 
-COMPILED_KEYS = ("regs", "smem", "num_stages", "tail_slots", "spill_stores", "spill_loads", "triton", "cache")
+COMPILED_KEYS = ("regs", "smem", "num_stages", "maxnreg", "tail_slots", "spill_stores", "spill_loads", "triton",
+                 "cache")  # fmt: skip
 
 
 def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, **device) -> dict:
@@ -391,7 +392,7 @@ def test_misses_need_more_on_chip_than_the_plan_holds(model):
         row_bytes = m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]]
         budget = triton_logits.L2_FRACTION * m["l2"]
         hold = row_bytes - budget / m["resident"]
-        free = (m["plan"][5] - m["regs"]) * 4 * 32 * m["warps"]  # _plan's maxnreg, less the compile's registers
+        free = (m["maxnreg"] - m["regs"]) * 4 * 32 * m["warps"]  # the compile's register cap, less its registers
         split = math.ceil(m["resident"] * row_bytes / budget)  # CTAs per row for its slices to fit the budget
         busy = sum(c["issue"] + c["stall"] for c in m["row_regions"].values())  # a steady row's cycles less its waits
         unwaited = m["resident"] * row_bytes * m["dram"] * SUSTAINED_CLOCK / busy
