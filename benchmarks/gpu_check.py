@@ -66,9 +66,9 @@ PHASES = (
     Phase("env", 45),
     Phase("kernel_tests", 90),
     Phase("loss_headline", 90, takes_slack=True),
-    Phase("l2", 45),
+    Phase("l2", 55),
     Phase("linear_headline", 55),
-    Phase("loss_rest", 25, takes_slack=True),
+    Phase("loss_rest", 15, takes_slack=True),
     Phase("linear_rest", 10, takes_slack=True),
     Phase("other_gpu_tests", 0, takes_slack=True),
     Phase("report", 15),
@@ -90,6 +90,10 @@ SCHEDULES = ((1, False), (3, False), (3, True))
 # Then, last (its row-order compile is the phase's one extra), the fused kernel's pass 2 in the launcher's order
 # against row order (triton_logits.PASS2_WINDOW = 1), where the two differ: 132 bf16 rows of 262144 exceed L2.
 ORDER_SHAPES, DRY_ORDER_SHAPES = [("bf16", 262144, 16384)], [("fp32", 64, 8)]
+# Then the fused kernel's row split (triton_logits.ROW_SPLIT): the launcher's default (3 at fp32 V = 151936) against
+# no split and a split in 2 (two compiles more; its budget took 10 s of loss_rest's).
+SPLIT_SHAPES, DRY_SPLIT_SHAPES = [("fp32", 151936, 16384)], [("fp32", 64, 8)]
+SPLITS = (None, 1, 2)
 SUPERVISOR_MARGIN_S = 15  # the loss table's own budget stops it this long before its phase is killed
 # A loss contender still running after this long (a hang) costs its own row, not the ones after it; a cold inductor
 # compile of the headline's graph takes 20-60 s.
@@ -228,6 +232,43 @@ def measure_l2(results: Path, dry: bool) -> None:
     orders = "\n".join(orders_markdown(o) for o in payload["pass2_orders"])
     harness.write_text(stem.with_suffix(".md"), report.traffic_markdown(payload) + "\n" + schedules + "\n" + orders)
     print(orders, flush=True)
+    payload["row_splits"] = [measure_row_splits(*shape, device, dry)
+                             for shape in (DRY_SPLIT_SHAPES if dry else SPLIT_SHAPES)]  # fmt: skip
+    harness.write_json(stem.with_suffix(".json"), payload)
+    splits = "\n".join(splits_markdown(s) for s in payload["row_splits"])
+    harness.write_text(stem.with_suffix(".md"),
+                       report.traffic_markdown(payload) + "\n" + schedules + "\n" + orders + "\n" + splits)
+    print(splits, flush=True)
+
+
+def measure_row_splits(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
+    """Median time and floor-traffic rate of fused_token_grad with each SPLITS entry (triton_logits.ROW_SPLIT; None:
+    the launcher's default), each split timed once; a row that fails says why."""
+    from grpo_kernels.ops import triton_logits as tk
+
+    kernels, x = _row_kernels(dtype_name, vocab, tokens, device)
+    nbytes, fn = kernels["fused_token_grad"]
+    rows, seen = [], set()
+    saved = tk.ROW_SPLIT
+    try:
+        for forced in SPLITS:
+            tk.ROW_SPLIT = forced
+            _, block_v, num_warps, _, _ = tk._fused_plan(x, x)
+            split = tk._fused_split(x, x, block_v, num_warps, tk._scalar_rows(x, x))
+            if split in seen:
+                continue
+            seen.add(split)
+            row = {"split": split, "default": forced is None, "tiles": -(-vocab // block_v)}
+            rows.append(_timed_row(row, nbytes, fn, device, dry))
+    finally:
+        tk.ROW_SPLIT = saved
+    return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
+
+
+def splits_markdown(splits: dict[str, Any]) -> str:
+    title = f"Row split (fused_token_grad, {splits['dtype']}, V = {splits['V']}, B·T = {splits['BT']})"
+    cells = [f"{r['split']}{' (default)' if r['default'] else ''} | {r['tiles']}" for r in splits["rows"]]
+    return _timed_rows_markdown(title, "programs per row | tiles per row", "---: | ---:", splits["rows"], cells)
 
 
 def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:

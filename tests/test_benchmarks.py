@@ -137,7 +137,7 @@ def test_budgets_share_the_time_and_end_by_the_limit():
     assert next(p.name for p in phases if p.takes_slack) == "loss_headline" == phases[2].name
     left = gpu_check.TOTAL_S - 5 - 30  # env took 5 s of its 45, kernel_tests 30 of its 90
     assert gpu_check.allowance(phases, 2, left) == 90 + 40 + 60
-    assert gpu_check.allowance(phases, 3, left - 190) == 45  # the headline used it all: l2 still gets its budget
+    assert gpu_check.allowance(phases, 3, left - 190) == 55  # the headline used it all: l2 still gets its budget
     for overrun in (0.0, 10.0):
         left = float(gpu_check.TOTAL_S)
         given = []
@@ -149,8 +149,8 @@ def test_budgets_share_the_time_and_end_by_the_limit():
             assert given == [p.budget_s for p in phases], given  # on time: every phase its budget, no more
         assert gpu_check.TOTAL_S - left <= gpu_check.LIMIT_S - gpu_check.MARGIN_S + overrun
     # --only: a phase alone gets its budget (the dry run's, three times as much)
-    assert gpu_check.allowance([phases[3]], 0, 45, scale=1) == 45
-    assert gpu_check.allowance([phases[3]], 0, 500, scale=3) == 135
+    assert gpu_check.allowance([phases[3]], 0, 55, scale=1) == 55
+    assert gpu_check.allowance([phases[3]], 0, 500, scale=3) == 165
 
 
 def test_real_run_commands(tmp_path):
@@ -326,6 +326,9 @@ def _check_l2(payload: dict) -> None:
     assert [r["order"] for r in orders["rows"]] == ["launcher's", "row order"], orders
     assert all("error" not in r and r["time_ms"]["median"] > 0 and r["GBps"] > 0 for r in orders["rows"]), orders
     assert orders["rows"][1]["window_tiles"] == orders["rows"][1]["tiles"], orders  # row order: the whole row
+    (splits,) = payload["row_splits"]  # the fused kernel's row split: the default (none at this toy row), then 2
+    assert [(r["split"], r["default"]) for r in splits["rows"]] == [(1, True), (2, False)], splits
+    assert all("error" not in r and r["time_ms"]["median"] > 0 and r["GBps"] > 0 for r in splits["rows"]), splits
 
 
 @needs_interpreter

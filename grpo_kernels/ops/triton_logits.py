@@ -357,11 +357,124 @@ def _row_scan(
         b_soc, b_toc = tl.reduce((b_wc * b_sc, b_wc * (b_tc + b_dc * b_sc)), 0, _add_pair)
         b_so += b_soc
         b_to += b_toc
+    return _with_target(b_mx, b_so, b_to, x_y, k2)
+
+
+@triton.jit
+def _with_target(b_mx, b_so, b_to, x_y, k2):
+    """`_row_scan`'s result from the row max m, the sums over v ≠ y relative to it (Σe, Σe·z2) and the raw target
+    logit x_y: its e joins the sums here."""
     b_zy = (x_y - b_mx) * k2
     b_ey = tl.exp2(b_zy)
     b_s = b_so + b_ey
     b_t = b_to + b_ey * tl.where(b_ey > 0, b_zy, 0.0)
     return b_mx, tl.log2(b_s), b_zy, b_so / b_s, b_t / b_s, b_so, x_y
+
+
+@triton.jit
+def _slice_scan(
+    p_a, y_a, n, t0, t1, k2, BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 over tiles [t0, t1) of a row that ends in an overlapping full tile (`_tail_tile`), as `_row_scan`
+    scans them: (max m_q of the slice's logits but the target, Σ_{v≠y} e and Σ_{v≠y} e·z2 relative to m_q). A
+    slice with no logit but −inf (or none at all) gives (−inf, 0, 0)."""
+    o_b = _tile_offsets(SLOTS, VEC)
+    b_m = tl.full([SLOTS], float("-inf"), tl.float32)
+    b_r = tl.full([SLOTS], float("-inf"), tl.float32)
+    b_s = tl.zeros([SLOTS], tl.float32)
+    b_t = tl.zeros([SLOTS], tl.float32)
+    for i in tl.range(t0, t1, num_stages=NUM_STAGES):
+        v0 = _overlapped_start(i, n, BLOCK_V)
+        b_x = _load_tile(p_a + v0, o_b, "evict_last", SLOTS, VEC, WORDS)
+        b_m, b_r, b_s, b_t = _scan_tile(
+            b_x, v0, y_a, i * BLOCK_V, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True, FMA_FRAME
+        )
+    b_mq = tl.max(b_m, 0)
+    b_ref = tl.where(b_mq == float("-inf"), 0.0, b_mq)
+    b_d = tl.maximum(_to_row_max(b_m, b_r, b_ref, k2, FMA_FRAME), -256.0)
+    b_w = tl.exp2(b_d)
+    b_sq, b_tq = tl.reduce((b_w * b_s, b_w * (b_t + b_d * b_s)), 0, _add_pair)
+    return b_mq, b_sq, b_tq
+
+
+@triton.jit
+def _stamp(b_v):
+    """An fp32 value as the int64 word a row split exchanges: its bits, and 1 above them (the workspace starts at
+    0, so a word is either whole or absent: one 64-bit store, one 64-bit load)."""
+    return b_v.to(tl.uint32, bitcast=True).to(tl.int64) | 4294967296
+
+
+@triton.jit
+def _unstamp(w):
+    return (w & 4294967295).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_row_scan(
+    p_a, y_a, n, ws, part, k2, BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr, SPLIT: tl.constexpr,
+    SPIN: tl.constexpr,
+):  # fmt: skip
+    """`_row_scan` (TAIL_SLOTS = 0 rows) for one of the SPLIT programs that share a row, `part` of them: it scans
+    its own slice of the row's tiles (`_slice_scan`) and publishes the slice's (m_q, Σe, Σe·z2) at `ws` (3 int64
+    words per slice, `_stamp`), then reads every other slice's from there at once, polling up to SPIN more times.
+    The slices not there by then (their program not resident yet; or the interpreter, which runs the programs one
+    after the other) it scans itself, one by one, and publishes too: the same code on the same tiles gives the same
+    bits, so the row's statistics do not depend on who computed what, and every program of the row combines the
+    slices in one order, so all of them store the same gradient and none waits on a program that cannot run."""
+    nt = tl.cdiv(n, BLOCK_V)
+    SP2: tl.constexpr = triton.next_power_of_2(SPLIT)
+    o_q = tl.arange(0, SP2)
+    b_pm = tl.full([SP2], float("-inf"), tl.float32)  # each slice's (m_q, Σe, Σe·z2), once known
+    b_ps = tl.zeros([SP2], tl.float32)
+    b_pt = tl.zeros([SP2], tl.float32)
+    b_done = o_q >= SPLIT
+    polled = part < 0  # a run-time False
+    q = part
+    while q >= 0:  # its own slice, then those nobody published (none, when the programs are resident together)
+        b_mq, b_sq, b_tq = _slice_scan(
+            p_a, y_a, n, q * nt // SPLIT, (q + 1) * nt // SPLIT, k2, BLOCK_V, SLOTS, VEC, NUM_STAGES, WORDS,
+            FMA_FRAME,
+        )  # fmt: skip
+        tl.store(ws + q * 3, _stamp(b_mq))
+        tl.store(ws + q * 3 + 1, _stamp(b_sq))
+        tl.store(ws + q * 3 + 2, _stamp(b_tq))
+        b_pm = tl.where(o_q == q, b_mq, b_pm)
+        b_ps = tl.where(o_q == q, b_sq, b_ps)
+        b_pt = tl.where(o_q == q, b_tq, b_pt)
+        b_done = b_done | (o_q == q)
+        if not polled:  # the other slices, all at once: one L2 round trip when they are there
+            p_w = ws + o_q * 3
+            w_m = tl.load(p_w, mask=~b_done, other=0, volatile=True)
+            w_s = tl.load(p_w + 1, mask=~b_done, other=0, volatile=True)
+            w_t = tl.load(p_w + 2, mask=~b_done, other=0, volatile=True)
+            b_in = ((w_m >> 32) + (w_s >> 32) + (w_t >> 32) == 3) | b_done
+            spins = 0
+            while (tl.min(b_in.to(tl.int32), 0) == 0) & (spins < SPIN):
+                w_m = tl.load(p_w, mask=~b_done, other=0, volatile=True)
+                w_s = tl.load(p_w + 1, mask=~b_done, other=0, volatile=True)
+                w_t = tl.load(p_w + 2, mask=~b_done, other=0, volatile=True)
+                b_in = ((w_m >> 32) + (w_s >> 32) + (w_t >> 32) == 3) | b_done
+                spins += 1
+            b_got = b_in & ~b_done
+            b_pm = tl.where(b_got, _unstamp(w_m), b_pm)
+            b_ps = tl.where(b_got, _unstamp(w_s), b_ps)
+            b_pt = tl.where(b_got, _unstamp(w_t), b_pt)
+            b_done = b_in
+            polled = part >= 0
+        q = tl.min(tl.where(b_done, SP2, o_q), 0)
+        q = tl.where(q < SP2, q, -1)
+    x_y = tl.load(p_a + y_a).to(tl.float32)
+    # The slices combined as `_row_scan` combines its slots (one order in every program of the row)
+    b_mr = tl.maximum(tl.max(b_pm, 0), x_y)
+    b_mx = tl.where(b_mr == float("-inf"), 0.0, b_mr)
+    b_d = tl.maximum((b_pm - b_mx) * k2, -256.0)
+    b_w = tl.exp2(b_d)
+    b_so, b_to = tl.reduce((b_w * b_ps, b_w * (b_pt + b_d * b_ps)), 0, _add_pair)
+    if FMA_FRAME:
+        b_so = tl.where(tl.abs(b_mx * k2) == float("inf"), float("nan"), b_so)
+    return _with_target(b_mx, b_so, b_to, x_y, k2)
 
 
 @triton.jit
@@ -443,13 +556,17 @@ def _row_grad_store(
     WORDS: tl.constexpr,
     FMA_FRAME: tl.constexpr,
     ROTATE: tl.constexpr,
+    part=0,
+    SPLIT: tl.constexpr = 1,
 ):
     """Pass 2: out[v] = (g·(onehot − p) − h·p·(z' − Σpz')) / τ, tile by tile, over [shift, n) from the aligned
     bases `p_a` (logits) and `p_oa` (out) as in `_row_scan` (the stores leave [0, shift) alone). Each tile is
     read before it is written, so the out may be the logits themselves. A row with g = h = 0 (a masked token) takes one
     uniform branch that stores zeros without reading its logits, so a NaN row stays out of the gradient (the RowBackend
     contract). Loads and stores stream past L2 (evict_first): nothing reads them again soon. ROTATE: the full tiles
-    in the order of `_pass2_tile`, the row's last `window` of them first (the ragged tail tile stays where it is)."""
+    in the order of `_pass2_tile`, the row's last `window` of them first (the ragged tail tile stays where it is).
+    SPLIT > 1 (rows ending in an overlapping tile only): the tiles of slice `part` of the row (`_split_row_scan`),
+    the window of them from the slice's end."""
     o_b = _tile_offsets(SLOTS, VEC)
     b_live = b_g != 0.0
     if HAS_ENT:
@@ -469,9 +586,13 @@ def _row_grad_store(
         b_rx, b_lr, b_gr = _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME)
         if TAIL_SLOTS == 0:  # every tile pipelined, the last one overlapping: its head is not stored again
             nt = tl.cdiv(n, BLOCK_V)
+            t0 = 0
+            if SPLIT > 1:
+                t0 = part * nt // SPLIT
+                nt = (part + 1) * nt // SPLIT - t0
             first = tl.maximum(nt - window, 0)
             for j in tl.range(0, nt, num_stages=NUM_STAGES):
-                i = _pass2_tile(j, first, nt, ROTATE)
+                i = t0 + _pass2_tile(j, first, nt, ROTATE)
                 _grad_tile_store(
                     p_a, p_oa, o_b, _overlapped_start(i, n, BLOCK_V), i * BLOCK_V, y_a, b_rx, b_lr, b_dy, b_gr, b_hn,
                     k2, HAS_ENT, BLOCK_V, SLOTS, VEC, True, WORDS, FMA_FRAME,
@@ -509,7 +630,13 @@ def _row_grad_store(
     else:
         b_zero = tl.zeros([SLOTS, VEC], p_oa.dtype.element_ty)
         if TAIL_SLOTS == 0:  # zeros over the overlap again: nothing else is written there
-            for i in tl.range(0, tl.cdiv(n, BLOCK_V), num_stages=1):
+            nt = tl.cdiv(n, BLOCK_V)
+            t0 = 0
+            t1 = nt
+            if SPLIT > 1:
+                t0 = part * nt // SPLIT
+                t1 = (part + 1) * nt // SPLIT
+            for i in tl.range(t0, t1, num_stages=1):
                 v0 = _overlapped_start(i, n, BLOCK_V)
                 tl.store(p_oa + v0 + o_b, b_zero, eviction_policy="evict_first")
         else:
@@ -935,9 +1062,10 @@ def _token_coef(
         "HEAD": lambda a: _realigns(a, "x_ptr", "out_ptr"),
         "WORDS": _words,
         **_TILE_HEURISTICS,
+        "SPLIT": lambda a: 1 if a["ws_ptr"] is None else a["ws_ptr"].shape[1],  # the launcher's (`_fused_split`)
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
-        "ROTATE": lambda a: _rotates(a["window"], a["V"], a["BLOCK_V"]),
+        "ROTATE": lambda a: _rotates(a["window"], -(-a["V"] // a["SPLIT"]), a["BLOCK_V"]),
     }
 )
 @triton.jit(
@@ -959,10 +1087,11 @@ def fused_token_grad_fwd_kernel(
     rho_ptr,  # [B, T] or None
     w_ptr,  # [B, T] aggregation weight (mask included)
     hw_ptr,  # [B, T] entropy-bonus weight or None
+    ws_ptr,  # [N, SPLIT, 3] int64 zeros where SPLIT > 1 (`_split_row_scan`), else None
     N,
     T,
     V,
-    window,  # pass 2 starts with the row's last `window` full tiles (`pass2_window`)
+    window,  # pass 2 starts with the last `window` full tiles of the row (of its slice: SPLIT) (`pass2_window`)
     stride_xb,
     stride_xt,
     stride_ob,
@@ -1009,7 +1138,18 @@ def fused_token_grad_fwd_kernel(
     FMA_FRAME: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     ROTATE: tl.constexpr,
+    SPLIT: tl.constexpr = 1,  # programs per row (`row_split`): each scans and writes a slice of the row's tiles
+    SPIN: tl.constexpr = 0,  # polls for a slice another program has not published yet (`_split_row_scan`)
 ):
+    # SPLIT > 1: programs part, part + SPLIT, ... of group g = pid // SPLIT share rows g, g + grid / SPLIT, ...
+    tl.static_assert(SPLIT == 1 or TAIL_SLOTS == 0, "a row split needs rows that end in an overlapping tile")
+    group = tl.program_id(0)
+    groups = tl.num_programs(0)
+    part = 0
+    if SPLIT > 1:
+        group = tl.program_id(0) // SPLIT
+        groups = tl.num_programs(0) // SPLIT
+        part = tl.program_id(0) % SPLIT
     # Each row's id and per-token inputs are loaded a row ahead, just before the previous row's pass 2, where
     # nothing waits on a load (in the SASS the first use of a load waits for every load issued before it), so
     # that no load waits at the row's start, in front of its first tile copies: the target's address and load
@@ -1017,11 +1157,11 @@ def fused_token_grad_fwd_kernel(
     # (On 16-byte vectors: the scalar rows' plan has no registers to carry them across a row, nor copies to hold.)
     if VECTORS:
         y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_row_inputs(
-            tl.program_id(0), N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt,
+            group, N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb, stride_yt,
             stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb, stride_reft,
             stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
         )  # fmt: skip
-    for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
+    for i_r in range(group, N, groups):  # persistent: rows i, i + grid, ... (grid / SPLIT)
         if VECTORS:
             y, b_adv, b_w, b_old, b_lref, b_rho, b_h = y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n
         else:
@@ -1044,27 +1184,34 @@ def fused_token_grad_fwd_kernel(
             o_oa = tl.multiple_of(o_oa, 16)
         if HEAD:
             o_oa = tl.multiple_of(o_oa - shift, 16)
-        b_mx, b_log2s, b_zy, b_q, b_c2, _, x_y = _row_scan(
-            x_ptr + o_a,
-            y + shift,
-            V + shift,
-            shift,
-            k2,
-            BLOCK_V,
-            SLOTS,
-            VEC,
-            TAIL_SLOTS,
-            VECTORS,
-            NUM_STAGES,
-            "evict_last",
-            HEAD,
-            WORDS,
-            VECTORS,  # TARGET_FIRST (the scalar rows' plan has no register to spare across the scan)
-            FMA_FRAME,
-        )  # pass 2 re-reads the row from L2
+        if SPLIT > 1:
+            b_mx, b_log2s, b_zy, b_q, b_c2, _, x_y = _split_row_scan(
+                x_ptr + o_a, y + shift, V + shift, ws_ptr + i_row * (3 * SPLIT), part, k2, BLOCK_V, SLOTS, VEC,
+                NUM_STAGES, WORDS, FMA_FRAME, SPLIT, SPIN,
+            )  # fmt: skip
+        else:
+            b_mx, b_log2s, b_zy, b_q, b_c2, _, x_y = _row_scan(
+                x_ptr + o_a,
+                y + shift,
+                V + shift,
+                shift,
+                k2,
+                BLOCK_V,
+                SLOTS,
+                VEC,
+                TAIL_SLOTS,
+                VECTORS,
+                NUM_STAGES,
+                "evict_last",
+                HEAD,
+                WORDS,
+                VECTORS,  # TARGET_FIRST (the scalar rows' plan has no register to spare across the scan)
+                FMA_FRAME,
+            )  # pass 2 re-reads the row from L2
         b_lp = _exact_logp_from_log2s(x_y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
-        tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
-        tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
+        if part == 0:  # every program of the row has the same ℓ and H: one stores them
+            tl.store(logp_ptr + i_row, b_lp)  # a float64 buffer
+            tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
         if not HAS_OLD:
             b_old = b_lp  # ℓ_old = sg(ℓ): the ratio is exactly 1
         b_g = _token_coef(
@@ -1073,14 +1220,14 @@ def fused_token_grad_fwd_kernel(
         )  # fmt: skip
         if VECTORS:
             y_n, adv_n, w_n, old_n, lref_n, rho_n, h_n = _load_row_inputs(
-                i_r + tl.num_programs(0), N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb,
+                i_r + groups, N, T, y_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rho_ptr, hw_ptr, stride_yb,
                 stride_yt, stride_ab, stride_at, stride_wb, stride_wt, stride_oldb, stride_oldt, stride_refb,
                 stride_reft, stride_rhob, stride_rhot, stride_hwb, stride_hwt, HAS_OLD, HAS_REF, HAS_RATIO, HAS_ENT,
             )  # fmt: skip
         _row_grad_store(
             x_ptr + o_a, out_ptr + o_oa, y + shift, V + shift, shift, window, k2, inv_tau, b_mx, b_log2s, b_zy,
             b_q, b_c2, b_g, b_h, HAS_ENT, BLOCK_V, SLOTS, VEC, TAIL_SLOTS, VECTORS, NUM_STAGES, HEAD, WORDS,
-            FMA_FRAME, ROTATE,
+            FMA_FRAME, ROTATE, part, SPLIT,
         )  # fmt: skip
 
 
@@ -1211,6 +1358,22 @@ NARROW_16BIT_VARIABLE = "GRPO_KERNELS_NARROW_16BIT"
 # share that L2 keeps.
 PASS2_WINDOW: float | None = None
 PASS2_WINDOW_VARIABLE = "GRPO_KERNELS_PASS2_WINDOW"
+# The fused kernel's row split (`_split_row_scan`): SPLIT programs share each row, one slice of its tiles each, so
+# that grid / SPLIT rows are in flight and pass 2 finds more of them in L2 (`_default_split` picks it). A GPU can
+# time other splits with the variable.
+ROW_SPLIT: int | None = None  # None: the variable GRPO_KERNELS_ROW_SPLIT (1 to MAX_ROW_SPLIT), else the default
+ROW_SPLIT_VARIABLE = "GRPO_KERNELS_ROW_SPLIT"
+MAX_ROW_SPLIT = 8
+SPLIT_MISS = 0.05  # the share of pass-2 reads a default split lets miss L2
+# The least tiles a slice of the default split keeps, by element size: each slice pays the row's fixed code and
+# waits (its pass starts, reductions, coefficient, the exchange), which a 16-bit tile's larger instruction count
+# leaves less room for (docs/performance.md, section 4, has the priced splits).
+MIN_SLICE_TILES = {2: 8, 4: 6}
+# Polls for a slice another program of the row has not published yet, before a program scans it itself: on a GPU
+# enough to cover a resident partner's whole slice many times over (a poll is an L2 round trip, ~0.5 µs), under
+# the interpreter, which runs the programs one after another, two (the wait loop runs, then the scan).
+SPLIT_SPIN = 1 << 16
+INTERPRETER_SPIN = 2
 
 
 def fused_grid_mode() -> str | None:
@@ -1239,6 +1402,89 @@ def pass2_window(rows_in_flight: int, row_bytes: int, l2_bytes: int) -> float:
     if not 0 < share <= 1:
         raise ValueError(f"{PASS2_WINDOW_VARIABLE} (or triton_logits.PASS2_WINDOW) must be in (0, 1], got {value!r}")
     return share
+
+
+def row_split() -> int | None:
+    """The forced row split of the fused kernel (`_fused_split`): `ROW_SPLIT`, else the GRPO_KERNELS_ROW_SPLIT
+    variable (1 to MAX_ROW_SPLIT; 1 is no split), else None (`_default_split`)."""
+    value = ROW_SPLIT if ROW_SPLIT is not None else os.environ.get(ROW_SPLIT_VARIABLE)
+    if value is None or value == "":
+        return None
+    try:
+        split = int(value)
+    except (TypeError, ValueError):
+        split = 0
+    if not 1 <= split <= MAX_ROW_SPLIT or str(value).strip() != str(split):
+        raise ValueError(
+            f"{ROW_SPLIT_VARIABLE} (or triton_logits.ROW_SPLIT) must be an integer from 1 to {MAX_ROW_SPLIT}, "
+            f"got {value!r}"
+        )
+    return split
+
+
+def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int,
+                   arch: int | None = None) -> int:  # fmt: skip
+    """The row split of a fused launch on every SM (`_split_grid`): the least that keeps pass 2's misses within
+    SPLIT_MISS of its reads (the rows in flight within L2_FRACTION of L2, as `_fused_time` counts them), but no
+    more than leaves each slice MIN_SLICE_TILES tiles; 1 where the rows in flight fit L2 already, and where a
+    grid is forced (`fused_grid_mode`: a GPU timing the grids)."""
+    if fused_grid_mode() is not None:
+        return 1
+    tiles = -(-vocab // block_v)
+    full = sms * _programs_per_sm(num_warps, True, elem_bytes, False, arch)
+    best = 1
+    for split in range(1, MAX_ROW_SPLIT + 1):
+        if -(-tiles // split) < MIN_SLICE_TILES[elem_bytes]:
+            break
+        best = split
+        if 1.0 - L2_FRACTION * l2_bytes / (max(1, full // split) * vocab * elem_bytes) <= SPLIT_MISS:
+            break
+    return best
+
+
+def _fused_split(logits: torch.Tensor, out: torch.Tensor, block_v: int, num_warps: int, scalar: bool) -> int:
+    """SPLIT of `fused_token_grad`'s launch: `row_split()`, else `_default_split` on the logits' device, for rows
+    that end in an overlapping full tile (16-byte aligned strides, V a multiple of 16 and at least a tile:
+    `_tail_tile`), else 1."""
+    vocab = logits.shape[-1]
+    aligned = _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
+    if scalar or not aligned or vocab % 16 or vocab < block_v:
+        return 1
+    forced = row_split()
+    if forced is not None:
+        return forced
+    return _default_split(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device),
+                          _device_arch(logits.device))  # fmt: skip
+
+
+def _split_launch(rows: int, split: int, logits: torch.Tensor, block_v: int, num_warps: int) -> tuple[int, int]:
+    """(grid, pass-2 window in tiles of a slice) of a launch whose rows are split in `split`: one program per (row,
+    slice) under the interpreter, on a GPU every SM's resident programs to a multiple of `split` (`_split_grid`)."""
+    vocab, elem = logits.shape[-1], logits.element_size()
+    sms, l2_bytes = _device_caps_of(logits.device)
+    arch = _device_arch(logits.device)
+    full = _split_grid(1 << 30, split, elem, num_warps, sms, arch)
+    grid = _split_grid(rows, split, elem, num_warps, sms, arch) if logits.is_cuda else rows * split
+    return grid, _split_window(vocab, elem, block_v, split, full // split, l2_bytes)
+
+
+def _split_grid(rows: int, split: int, elem_bytes: int, num_warps: int, sms: int, arch: int | None = None) -> int:
+    """The persistent grid of a split launch: every SM's resident programs (the "sms" grid, `_programs_per_sm`) to
+    a multiple of `split`, at most `split` per row."""
+    full = sms * _programs_per_sm(num_warps, True, elem_bytes, False, arch)
+    return max(split, min(full, rows * split) // split * split)
+
+
+def _split_window(vocab: int, elem_bytes: int, block_v: int, split: int, in_flight: int, l2_bytes: int) -> int:
+    """The pass-2 window (`pass2_window`) in tiles of a slice of a row split in `split`, `in_flight` rows in flight."""
+    tiles = -(-vocab // block_v)
+    slice_tiles = -(-tiles // split)
+    return max(1, math.floor(pass2_window(in_flight, vocab * elem_bytes, l2_bytes) * slice_tiles))
+
+
+def _split_workspace(rows: int, split: int, device: torch.device) -> torch.Tensor:
+    """The exchange of a split launch (`_split_row_scan`): per row and slice three int64 words, all 0 (unpublished)."""
+    return torch.zeros(rows, split, 3, dtype=torch.int64, device=device)
 
 
 def _pass2_tiles(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int,
@@ -1390,6 +1636,8 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     x = args["x_ptr"]
     num_warps = args.get("num_warps", 4)  # 4: Triton's default
     mode = fused_grid_mode() if two_pass else None
+    if two_pass and args.get("SPLIT", 1) > 1:
+        mode = "sms"  # a split row's launch: every SM's programs (`_split_launch`)
     arch = _device_arch(x.device)
     stages, per_sm = _pipeline(
         args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device), num_warps, mode, arch,
@@ -1588,17 +1836,23 @@ def fused_token_grad(
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
     scalar, block_v, num_warps, window, realigned = _fused_plan(logits, out)
-    grid = (_num_programs(rows, logits, True, num_warps, scalar, realigned),)
+    programs = _num_programs(rows, logits, True, num_warps, scalar, realigned)
+    split = _fused_split(logits, out, block_v, num_warps, scalar)
+    workspace = None
+    if split > 1:
+        programs, window = _split_launch(rows, split, logits, block_v, num_warps)
+        workspace = _split_workspace(rows, split, logits.device)
+    spin = SPLIT_SPIN if logits.is_cuda else INTERPRETER_SPIN
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)
-    fused_token_grad_fwd_kernel[grid](
-        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, rho, weight, entropy_weight,
+    fused_token_grad_fwd_kernel[(programs,)](
+        logits, ids, out, logp, entropy, advantages, old_logp, ref_logp, rho, weight, entropy_weight, workspace,
         rows, length, vocab, window,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
         *_strides(advantages), *_strides(old_logp), *_strides(ref_logp), *_strides(rho),
         *_strides(weight), *_strides(entropy_weight),
         LOG2E / temperature, inv_tau, 1.0 / temperature - inv_tau, *coef_scalars(cfg).values(),
         LOSS=flags.loss, HAS_DELTA=flags.has_delta, BIAS_KL=flags.bias_kl,
-        BLOCK_V=block_v, num_warps=num_warps,
+        BLOCK_V=block_v, SPIN=spin if split > 1 else 0, num_warps=num_warps,
     )  # fmt: skip
     return logp, entropy

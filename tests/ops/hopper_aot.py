@@ -265,7 +265,9 @@ def _specialize(cfg: dict) -> dict:
         "num_warps": num_warps,
         **flags,
     }
-    constexprs = dict(flags, BLOCK_V=block_v)
+    # constexpr parameters with a default the config does not set (the fused kernel's SPLIT, SPIN): the default
+    constexprs = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
+    constexprs.update(flags, BLOCK_V=block_v)
     options = {"num_warps": num_warps}
     # The device the launch plan is for (the heuristics see a CPU tensor, so they plan for the reference device's
     # figures: set them to this config's: L2 and compute capability), and the fused grid it forces, if any.
@@ -275,7 +277,19 @@ def _specialize(cfg: dict) -> dict:
     for name, value in saved.items():
         setattr(module, name, device[name] if device[name] is not None else value)
     try:
-        if "window" in jit.arg_names:  # the fused kernel's pass-2 window, as its launcher computes it
+        split = 1
+        if "ws_ptr" in jit.arg_names:  # the fused kernel's row split, as its launcher picks it (`_fused_split`)
+            split = flags["SPLIT"] if "SPLIT" in flags else _launch_split(module, vocab, dtype, block_v, num_warps,
+                                                                           flags, scalar, cfg)  # fmt: skip
+            probe["ws_ptr"] = torch.empty(0, split, 3, dtype=torch.int64) if split > 1 else None
+            probe["SPLIT"] = split
+            constexprs["SPIN"] = flags.get("SPIN", module.SPLIT_SPIN if split > 1 else 0)
+        if "window" in jit.arg_names and split > 1:  # a split row's window, of its slice (`_split_launch`)
+            full = module._split_grid(1 << 30, split, ELEMENT_BYTES[dtype], num_warps, module.REFERENCE_SMS,
+                                      cfg.get("arch", 90))  # fmt: skip
+            probe["window"] = module._split_window(vocab, ELEMENT_BYTES[dtype], block_v, split, full // split,
+                                                   module.REFERENCE_L2_BYTES)  # fmt: skip
+        elif "window" in jit.arg_names:  # the fused kernel's pass-2 window, as its launcher computes it
             probe["window"] = module._pass2_tiles(vocab, ELEMENT_BYTES[dtype], block_v, num_warps,
                                                   module.REFERENCE_SMS, module.REFERENCE_L2_BYTES, scalar,
                                                   cfg.get("arch", 90), bool(flags.get("HEAD")))  # fmt: skip
@@ -293,13 +307,15 @@ def _specialize(cfg: dict) -> dict:
     for ptr, flag in OPTIONAL_PTRS:
         if ptr in jit.arg_names and flag in flags and not flags[flag]:
             constexprs[ptr] = None
+    if "ws_ptr" in jit.arg_names and constexprs["SPLIT"] == 1:  # the row split's workspace: none without one
+        constexprs["ws_ptr"] = None
     signature, attrs = {}, {}
     for i, name in enumerate(jit.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in LOGITS_DTYPE_PTRS:
             signature[name] = f"*{dtype}"
-        elif name in ID_PTRS:
+        elif name in ID_PTRS or name == "ws_ptr":
             signature[name] = "*i64"
         elif name == "logp_ptr" and cfg["kernel"] in ("fused_token_grad_fwd_kernel", "row_stats_fwd_kernel"):
             signature[name] = "*fp64"  # ℓ is stored in float64
@@ -316,9 +332,20 @@ def _specialize(cfg: dict) -> dict:
     if cfg.get("num_ctas", 1) > 1:  # a program split across the CTAs of a cluster (priced, not launched)
         options["num_ctas"] = cfg["num_ctas"]
     plan = {"block_v": block_v, "num_warps": num_warps, "num_stages": constexprs.get("NUM_STAGES", 1),
-            "tail_slots": constexprs.get("TAIL_SLOTS"), "maxnreg": options.get("maxnreg")}  # fmt: skip
+            "tail_slots": constexprs.get("TAIL_SLOTS"), "maxnreg": options.get("maxnreg"),
+            "split": constexprs.get("SPLIT", 1)}  # fmt: skip
     return {"jit": jit, "signature": signature, "constexprs": constexprs, "attrs": attrs, "options": options,
             "arch": cfg.get("arch", 90), "plan": plan, "name": f"{cfg['module']}.{cfg['kernel']}"}  # fmt: skip
+
+
+def _launch_split(module, vocab: int, dtype: str, block_v: int, num_warps: int, flags: dict, scalar: bool,
+                  cfg: dict) -> int:  # fmt: skip
+    """`_fused_split` for a config: rows that end in an overlapping full tile split as the launcher's default
+    (`_default_split`) on the config's device; `num_ctas` compiles (a cluster per row) are not split."""
+    if scalar or not flags.get("ALIGNED") or vocab % 16 or vocab < block_v or cfg.get("num_ctas", 1) > 1:
+        return 1
+    return module._default_split(vocab, ELEMENT_BYTES[dtype], block_v, num_warps, module.REFERENCE_SMS,
+                                 module.REFERENCE_L2_BYTES, cfg.get("arch", 90))  # fmt: skip
 
 
 def _assemble(spec: dict, seen: dict) -> tuple[dict, bytes]:

@@ -80,14 +80,22 @@ def _plan(kernel: str, dtype: str, vocab: int, l2: int, grid: str | None, flags:
     saved = triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID
     triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID = l2, grid
     try:
+        split = 1
+        if kernel == FUSED:  # its row split (a constexpr: V's) and ROTATE, as the launcher picks them
+            split = hopper_aot._launch_split(triton_logits, vocab, dtype, block_v, warps, flags, False, {})
+        args["SPLIT"] = split
         stages, maxnreg = triton_logits._launch_plan(args, two_pass=kernel == FUSED)
-        rotate = kernel == FUSED and triton_logits._rotates(  # the fused kernel's ROTATE heuristic
-            triton_logits._pass2_tiles(vocab, x.element_size(), block_v, warps, triton_logits.REFERENCE_SMS, l2),
-            vocab, block_v,
-        )  # fmt: skip
+        if split > 1:
+            full = triton_logits._split_grid(1 << 30, split, x.element_size(), warps, triton_logits.REFERENCE_SMS)
+            window = triton_logits._split_window(vocab, x.element_size(), block_v, split, full // split, l2)
+        else:
+            window = triton_logits._pass2_tiles(vocab, x.element_size(), block_v, warps, triton_logits.REFERENCE_SMS,
+                                                l2)  # fmt: skip
+        rotate = kernel == FUSED and triton_logits._rotates(window, -(-vocab // split), block_v)
     finally:
         triton_logits.REFERENCE_L2_BYTES, triton_logits.FUSED_GRID = saved
-    return kernel, dtype, block_v, warps, stages, maxnreg, vocab % 16 == 0, rotate, tuple(sorted(flags.items()))
+    return (kernel, dtype, block_v, warps, stages, maxnreg, vocab % 16 == 0, rotate, split,
+            tuple(sorted(flags.items())))  # fmt: skip
 
 
 def configs_for(site: str | None) -> tuple[list[dict], list[dict]]:
@@ -128,9 +136,14 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
     row_bytes = vocab * elem
     two_pass = row["kernel"] == FUSED
     mode = None if row["grid_mode"] == "default" else row["grid_mode"]
-    grid = triton_logits._grid_size(TOKENS, vocab, elem, two_pass, sms, l2, warps, mode)
+    split = compiled.get("split", 1)  # the fused kernel's row split (`_default_split`): SPLIT programs per row
+    if split > 1:
+        grid = triton_logits._split_grid(TOKENS, split, elem, warps, sms)
+    else:
+        grid = triton_logits._grid_size(TOKENS, vocab, elem, two_pass, sms, l2, warps, mode)
     occupancy = hopper_aot.programs_per_sm(compiled["regs"], warps, compiled["smem"])
     resident = min(grid, sms * occupancy)
+    in_flight = resident // split  # rows
     # The tile loops are the software-pipelined ones (the tail and dead-row loops are short or load nothing).
     pipelined = [lp["bytes_per_program"] for lp in compiled["loops"] if lp["pipelined"]]
     per_program = min(pipelined) if pipelined else 0
@@ -141,13 +154,13 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
     passes = 2 if two_pass else 1
     assert len(loops) == passes, f"expected one tile loop per pass: {loops}"
     per_thread = block_v // (32 * warps)  # logits per thread per tile
-    trips = _tile_trips(compiled, vocab, passes)
+    trips = _tile_trips(compiled, vocab, passes, split)
     per_row = 0.0
     for lp, n in zip(loops, trips, strict=True):
         per_row += n * lp["instructions"] + (lp["once"] if n else 0)
     cycles_per_row = per_row * warps / 4
     busy = min(resident, sms)
-    issue = busy * row_bytes * CLOCK / cycles_per_row * row["dram"]
+    issue = busy * row_bytes / split * CLOCK / cycles_per_row * row["dram"]
     out = {
         **row,
         **{k: compiled[k] for k in COMPILED_KEYS},
@@ -165,9 +178,14 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
         "per_thread": per_thread,
         "issue": issue,
         "issue_per_sm": issue / busy,
-        "l2_set": resident * row_bytes if two_pass else None,
+        "l2_set": in_flight * row_bytes if two_pass else None,
+        "split": split,
+        "in_flight": in_flight,
     }
-    out.update(row_model(row, compiled, grid, resident, trips, sms=sms, **device))
+    # A split program's row is its slice: row_model's floor bytes, and its rows in flight (resident programs x
+    # slice bytes = rows in flight x row bytes) for pass 2's misses, each program walking grid / split rows' slices.
+    sliced = {**row, "vocab": vocab / split}
+    out.update(row_model(sliced, compiled, grid // split, resident, trips, sms=sms, **device))
     if two_pass:
         budget = triton_logits.L2_FRACTION * l2
         miss = max(0.0, 1.0 - budget / out["l2_set"])
@@ -179,11 +197,13 @@ def predict(row: dict, compiled: dict, sms: int = triton_logits.REFERENCE_SMS, *
     return out
 
 
-def _tile_trips(compiled: dict, vocab: int, passes: int) -> list[int]:
+def _tile_trips(compiled: dict, vocab: int, passes: int, split: int = 1) -> list[int]:
     """Trips of each pass's tile loop: over the full tiles where a masked tail tile follows the loop (`tail_slots`),
-    else over every tile, the last one overlapping."""
+    else over every tile, the last one overlapping; of a row split in `split`, over its longest slice (the
+    programs of a row wait for each other once per row, so the longest sets the pace)."""
     block_v = compiled["block_v"]
-    return [vocab // block_v if compiled["tail_slots"] else -(-vocab // block_v)] * passes
+    tiles = vocab // block_v if compiled["tail_slots"] else -(-vocab // block_v)
+    return [-(-tiles // split)] * passes
 
 
 def row_model(row: dict, compiled: dict, grid: int, resident: int, trips: list[int],
@@ -241,6 +261,8 @@ def _timeline(compiled: dict, trips: list[int], rows_per_program: int, miss: flo
     pass2_from = st.tile_loops[len(st.tile_loops) // 2 - 1][1] if two_pass else len(code)
 
     def latency(i: int) -> float:
+        if ".STRONG." in code[i].text:  # a row split's exchange (`_split_row_scan`): words just stored, in L2
+            return l2_cycles
         return (1 - miss) * l2_cycles + miss * dram_cycles if pass2_from < i < st.row_back else dram_cycles
 
     share = max(1, compiled["num_warps"] // 4)  # the CTA's warps per scheduler
@@ -289,7 +311,7 @@ def print_row_timeline(rows: list[dict], device: str, copy: float = COPY_BANDWID
     for m in rows:
         if m["kernel"] != FUSED:
             continue
-        floor = m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]] * m["dram"]  # as row_model counts it
+        floor = m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]] * m["dram"] / m["split"]  # as row_model counts it
         budget = m["resident"] * floor * clock / copy
         parts = ", ".join(
             f"{name} {sum(c.values()):.0f} ({c['issue']:.0f}+{c['stall']:.0f}+{c['wait']:.0f})"
@@ -323,9 +345,11 @@ def print_model(rows: list[dict]) -> None:
 # rate, on each device and Triton. The shapes that still miss it are listed here, with the figure the model printed
 # (TB/s; None: that column meets the target) and what binds. Each listed column is asserted to be still below the
 # target, so that the list shrinks when a kernel improves; every shape not listed must meet it.
-# What binds (docs/performance.md, section 4), "dram" alone now (latency and issue bound no listed shape): the fused
-# kernel's pass 2 misses L2, its 132 rows in flight beyond L2_FRACTION of L2 (fp32 and 16-bit from V = 128256:
-# 32-132 MiB against 25 or 30), and the L2-sized grid leaves SMs idle (its latency bound falls with them).
+# What binds (docs/performance.md, section 4): at 16-bit V = 128256-152064 pass 2's L2 misses ("dram": 132 rows in
+# flight beyond L2_FRACTION of L2; a row split costs them more per-row time than its hits save, so they run
+# unsplit); where a row split (`_default_split`) keeps pass 2 in L2, the waits its shorter slices leave exposed
+# ("latency": fp32 at 128256-129280, 16-bit at 262144), or the misses left at the split's miss share (fp32 from
+# 151936 on the H100).
 MISS_COLUMNS = (("3.9", "H100"), ("3.9", "H200"), ("3.6", "H100"), ("3.6", "H200"))
 MISSES: dict[tuple[str, str, int], tuple[tuple[float | None, ...], str]] = {
     # (kernel, dtype, V): ((3.9 H100, 3.9 H200, 3.6 H100, 3.6 H200), bound)
@@ -333,12 +357,12 @@ MISSES: dict[tuple[str, str, int], tuple[tuple[float | None, ...], str]] = {
     ("fused clip all", "bf16", 129280): ((3.85, 4.14, 3.85, 4.14), "dram"),
     ("fused clip all", "bf16", 151936): ((3.67, 3.88, 3.67, 3.88), "dram"),
     ("fused clip all", "bf16", 152064): ((3.66, 3.88, 3.66, 3.88), "dram"),
-    ("fused clip all", "bf16", 262144): ((3.28, 3.38, 3.28, 3.38), "dram"),
-    ("fused clip all", "fp32", 128256): ((3.29, 3.39, 3.29, 3.39), "dram"),
-    ("fused clip all", "fp32", 129280): ((3.29, 3.39, 3.29, 3.39), "dram"),
-    ("fused clip all", "fp32", 151936): ((3.22, 3.30, 3.22, 3.30), "dram"),
-    ("fused clip all", "fp32", 152064): ((3.22, 3.30, 3.22, 3.30), "dram"),
-    ("fused clip all", "fp32", 262144): ((3.06, 3.10, 3.06, 3.10), "dram"),
+    ("fused clip all", "bf16", 262144): ((3.81, 3.83, 3.75, 3.77), "latency"),
+    ("fused clip all", "fp32", 128256): ((4.12, 4.12, 3.96, 3.96), "latency"),
+    ("fused clip all", "fp32", 129280): ((4.15, 4.15, 4.00, 4.00), "latency"),
+    ("fused clip all", "fp32", 151936): ((4.26, None, 4.26, None), "dram"),
+    ("fused clip all", "fp32", 152064): ((4.26, None, 4.26, None), "dram"),
+    ("fused clip all", "fp32", 262144): ((4.22, None, 4.22, None), "dram"),
 }
 
 
@@ -373,35 +397,38 @@ def test_every_row_meets_the_copy_rate(model):
     assert not above, f"listed in MISSES but now at or above the copy rate (shrink the list): {above}"
 
 
-def test_misses_need_more_on_chip_than_the_plan_holds(model):
-    """Why the MISSES shapes miss, as figures (docs/performance.md, section 4): one row per SM, every SM busy, so
-    pass 2 finds its row in L2 only if each row in flight keeps on chip the share of it that L2_FRACTION of L2
-    cannot: row bytes − budget / rows in flight. Registers are the only storage a Triton program holds across a
-    pass (its shared memory is the pipeline's), and the plan leaves (maxnreg − registers) x threads of them; both
-    are printed. Each listed shape needs more than that, and fewer rows in flight would idle SMs: so a listed shape
-    leaves the table only through a row split across CTAs (or a plan that frees that many registers). Also printed:
-    the latency bound were every wait of the row hidden (its issue and stall cycles alone, as a pipeline over the
-    program's rows would leave them), against the DRAM bound, which such a pipeline does not move."""
-    print("\nMISSES: bytes a row would have to keep on chip for pass 2 to hit L2 (predictions; TB/s of floor traffic)")
-    print(f"{'device':<7}{'dtype':<6}{'V':>7}{'rows':>6}{'row KiB':>9}{'hold KiB':>9}{'free regs KiB':>14}{'split':>6}"
-          f"{'latency':>8}{'no waits':>9}{'DRAM':>6}")  # fmt: skip
-    short = []
+def test_misses_are_the_waits_a_row_pipeline_would_hide(model):
+    """Why the MISSES shapes miss, as figures (docs/performance.md, section 4). Per listed shape: its row split
+    (`_default_split`), the rows in flight and pass 2's miss share; the bytes each row in flight would have to keep
+    on chip for pass 2 to hit L2 (row bytes − budget / rows in flight, "hold") against the registers the plan
+    leaves free ((maxnreg − registers) x threads: the only storage a Triton program keeps across a pass); and the
+    latency bound now and were every wait of the row hidden ("no waits": its issue and stall cycles alone, as a
+    pipeline over the program's rows would leave them), against the DRAM bound. Asserted: every listed shape's
+    no-waits bound clears the copy rate, so hiding the waits closes the latency-bound ones, and each DRAM-bound one
+    holds more than its free registers at one row per program, every SM busy: it needs a split (or a pipeline that
+    affords one)."""
+    print("\nMISSES: what a listed row would need (predictions; TB/s of floor traffic)")
+    print(f"{'device':<7}{'dtype':<6}{'V':>7}{'split':>6}{'rows':>6}{'miss':>6}{'hold KiB':>9}{'free regs KiB':>14}"
+          f"{'latency':>8}{'no waits':>9}{'DRAM':>6}  bound")  # fmt: skip
+    short, listed = [], 0
     for m in model:
         if m["grid_mode"] != "default" or (m["label"], m["dtype"], m["vocab"]) not in MISSES:
             continue
+        listed += 1
         row_bytes = m["vocab"] * hopper_aot.ELEMENT_BYTES[m["dtype"]]
         budget = triton_logits.L2_FRACTION * m["l2"]
-        hold = row_bytes - budget / m["resident"]
+        hold = max(0.0, row_bytes - budget / m["in_flight"])
         free = (m["maxnreg"] - m["regs"]) * 4 * 32 * m["warps"]  # the compile's register cap, less its registers
-        split = math.ceil(m["resident"] * row_bytes / budget)  # CTAs per row for its slices to fit the budget
         busy = sum(c["issue"] + c["stall"] for c in m["row_regions"].values())  # a steady row's cycles less its waits
-        unwaited = m["resident"] * row_bytes * m["dram"] * SUSTAINED_CLOCK / busy
-        print(f"{m['device']:<7}{m['dtype']:<6}{m['vocab']:>7}{m['resident']:>6}{row_bytes / 1024:>9.1f}"
-              f"{hold / 1024:>9.1f}{free / 1024:>14.1f}{split:>6}{m['full_latency'] / 1e12:>8.2f}"
-              f"{unwaited / 1e12:>9.2f}{m['full_dram'] / 1e12:>6.2f}")  # fmt: skip
-        if hold <= free or m["resident"] > triton_logits.REFERENCE_SMS:
-            short.append((m["device"], m["dtype"], m["vocab"], m["resident"], round(hold), free))
-    assert not short, f"listed in MISSES but a register-held share or fewer rows per SM would fit L2: {short}"
+        unwaited = m["resident"] * row_bytes / m["split"] * m["dram"] * SUSTAINED_CLOCK / busy
+        print(f"{m['device']:<7}{m['dtype']:<6}{m['vocab']:>7}{m['split']:>6}{m['in_flight']:>6}{m['full_miss']:>6.2f}"
+              f"{hold / 1024:>9.1f}{free / 1024:>14.1f}{m['full_latency'] / 1e12:>8.2f}{unwaited / 1e12:>9.2f}"
+              f"{m['full_dram'] / 1e12:>6.2f}  {m['binding']}")  # fmt: skip
+        if unwaited < COPY_BANDWIDTH or (m["binding"] == "dram" and m["split"] == 1 and hold <= free):
+            short.append((m["device"], m["dtype"], m["vocab"], m["split"], round(unwaited / 1e12, 2), round(hold),
+                          free))  # fmt: skip
+    assert listed, "no listed shape in the model"
+    assert not short, f"listed in MISSES, but hiding its waits would not close it, or registers would: {short}"
 
 
 def test_in_flight_target_follows_littles_law():
@@ -522,7 +549,7 @@ def test_pass2_window_hits(model):
     print(f"{'device':<7}{'dtype':<6}{'V':>7}{'MiB':>7}{'window':>7}{'model':>7}{'LRU':>12}{'random':>12}")
     for (device, dtype, vocab), m in sorted(rows.items()):
         row_bytes = vocab * hopper_aot.ELEMENT_BYTES[dtype]
-        window = triton_logits.pass2_window(m["resident"], row_bytes, m["l2"])
+        window = triton_logits.pass2_window(m["in_flight"], row_bytes, m["l2"])
         budget = triton_logits.L2_FRACTION * m["l2"]
         ours, plain = pass2_hits(window, m["l2_set"], budget), pass2_hits(1.0, m["l2_set"], budget)
         if any(ours[k] < plain[k] - 1e-9 for k in ("lru", "random")):

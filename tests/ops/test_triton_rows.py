@@ -752,3 +752,102 @@ def test_narrow_16bit_switch(monkeypatch):
         monkeypatch.setattr(triton_logits, "NARROW_16BIT", bad)
         with pytest.raises(ValueError, match="GRPO_KERNELS_NARROW_16BIT"):
             triton_logits.narrow_16bit()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The fused kernel's row split (`_split_row_scan`)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("split", (2, 3))
+def test_row_split_matches_oracle(dtype, split, monkeypatch):
+    """Rows split across `split` programs, each a slice of the tiles (7 tiles of 32, the last overlapping: slices
+    of 3 + 4 or 2 + 2 + 3), against the oracle: ℓ, H and the gradient of every slice, targets in the first and
+    the overlapping last tile, masked tokens included. Under the interpreter the programs run one after another:
+    the first of a row finds no other slice published and scans them all itself, the later ones read them."""
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", split)
+    vocab, batch, length = 208, 2, 3
+    gen = torch.Generator().manual_seed(split)
+    x = make_logits(3 * torch.randn(batch, length, vocab, generator=gen, dtype=torch.float64), dtype, "contiguous")
+    ids = make_ids(batch, length, vocab, gen)
+    ids[0, 0], ids[1, 2] = 0, vocab - 1
+    assert triton_logits._fused_split(x, x, 32, 1, False) == split
+    for cfg in (LossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.8),
+                LossConfig(loss_type="cispo", beta=0.0)):  # fmt: skip
+        run_fused(x, ids, cfg, token_inputs(batch, length, gen))
+        run_fused(x.clone(), ids, cfg, token_inputs(batch, length, gen), out=x.clone())
+
+
+def test_row_split_takes_a_published_slice_as_is(monkeypatch):
+    """A slice whose statistics are published in the exchange is read, not scanned: with slice 1 of row 0
+    published before the launch as holding nothing (max −inf, Σe 0), row 0's ℓ is that of the row without slice 1's
+    mass (higher than the oracle's), while row 1, published by the kernel itself, matches the oracle. So the read
+    path runs, and the statistics do not depend on which program scanned a slice (tests above)."""
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", 2)
+    real = triton_logits._split_workspace
+
+    def published(rows, split, device):
+        ws = real(rows, split, device)
+        words = torch.tensor([float("-inf"), 0.0, 0.0]).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        ws[0, 1] = words | (1 << 32)
+        return ws
+
+    monkeypatch.setattr(triton_logits, "_split_workspace", published)
+    vocab = 256  # 8 tiles of 32: slices of 4 + 4
+    gen = torch.Generator().manual_seed(1)
+    x = make_logits(torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64), torch.float32, "contiguous")
+    ids = torch.tensor([[3, 3]], device=DEVICE)  # targets in slice 0
+    exact_lp, _, _ = exact_rows(x, ids, 1.0)
+    ones = torch.ones(1, 2, device=DEVICE)
+    logp, _ = triton_logits.fused_token_grad(
+        x, ids, 1.0, advantages=ones, old_logp=None, ref_logp=None, rho=None, weight=ones, entropy_weight=None,
+        cfg=LossConfig(loss_type="grpo", beta=0.0), out=torch.empty_like(x),
+    )  # fmt: skip
+    half = x[0, 0, :128].double()
+    assert logp[0, 1].item() == pytest.approx(exact_lp[0, 1].item(), abs=1e-6)
+    assert logp[0, 0].item() == pytest.approx((half[3] - torch.logsumexp(half, 0)).item(), abs=1e-6)
+    assert logp[0, 0].item() > exact_lp[0, 0].item() + 0.1
+
+
+def test_row_split_switch(monkeypatch):
+    """GRPO_KERNELS_ROW_SPLIT (or triton_logits.ROW_SPLIT) forces the fused kernel's row split, 1 for none; unset,
+    the launcher's default (`_default_split`); anything but an integer from 1 to MAX_ROW_SPLIT is refused, naming
+    the variable. Rows that do not end in an overlapping full tile (unaligned strides, V not a multiple of 16, a
+    row shorter than a tile) are never split."""
+    monkeypatch.delenv(triton_logits.ROW_SPLIT_VARIABLE, raising=False)
+    assert triton_logits.row_split() is None
+    monkeypatch.setenv(triton_logits.ROW_SPLIT_VARIABLE, "3")
+    assert triton_logits.row_split() == 3
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", 1)  # the attribute wins over the variable
+    assert triton_logits.row_split() == 1
+    for bad in (0, 9, "two", "2.5", -1):
+        monkeypatch.setattr(triton_logits, "ROW_SPLIT", bad)
+        with pytest.raises(ValueError, match="GRPO_KERNELS_ROW_SPLIT"):
+            triton_logits.row_split()
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", 2)
+    x = torch.empty(1, 2, 208)
+    assert triton_logits._fused_split(x, x, 32, 1, False) == 2
+    assert triton_logits._fused_split(x[..., :200], x[..., :200], 32, 1, False) == 1  # V = 200: realigned rows
+    assert triton_logits._fused_split(x, x, 256, 1, False) == 1  # shorter than a tile
+    assert triton_logits._fused_split(x, x, 32, 1, True) == 1  # scalar rows
+    padded = torch.empty(1, 2, 213)[..., :208]  # a row stride of 213 elements: not 16-byte aligned
+    assert triton_logits._fused_split(padded, padded, 32, 1, False) == 1
+
+
+@pytest.mark.parametrize("l2", (50 << 20, 60 << 20))
+def test_default_split(l2, monkeypatch):
+    """The default split of the fused kernel's wide plans (one 16-warp program per SM, 132 SMs): the least that
+    keeps pass 2's misses within SPLIT_MISS, no more than leaves each slice MIN_SLICE_TILES tiles; none where the
+    rows in flight fit L2, and none where a grid is forced. docs/performance.md, section 4, prices these."""
+    monkeypatch.delenv(triton_logits.FUSED_GRID_VARIABLE, raising=False)
+    expected = {(4, 32000): 1, (4, 50304): 1, (4, 128256): 3, (4, 151936): 3, (4, 262144): 5,
+                (2, 128256): 1, (2, 151936): 1, (2, 262144): 2}  # fmt: skip
+    got = {}
+    for elem, vocab in expected:
+        block_v, warps = (8192, 16) if elem == 4 else (16384, 16)
+        got[elem, vocab] = triton_logits._default_split(vocab, elem, block_v, warps, 132, l2)
+    assert got == expected
+    monkeypatch.setattr(triton_logits, "FUSED_GRID", "sms")
+    assert triton_logits._default_split(262144, 4, 8192, 16, 132, l2) == 1
