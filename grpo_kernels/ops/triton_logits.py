@@ -401,7 +401,7 @@ def _slice_scan(
 @triton.jit
 def _stamp(b_v):
     """An fp32 value as the int64 word a row split exchanges: its bits, and 1 above them (the workspace starts at
-    0, so a word is either whole or absent: one 64-bit store, one 64-bit load)."""
+    0, so a word is either whole or absent: one 64-bit atomic store, one 64-bit volatile load)."""
     return b_v.to(tl.uint32, bitcast=True).to(tl.int64) | 4294967296
 
 
@@ -437,9 +437,11 @@ def _split_row_scan(
             p_a, y_a, n, q * nt // SPLIT, (q + 1) * nt // SPLIT, k2, BLOCK_V, SLOTS, VEC, NUM_STAGES, WORDS,
             FMA_FRAME,
         )  # fmt: skip
-        tl.store(ws + q * 3, _stamp(b_mq))
-        tl.store(ws + q * 3 + 1, _stamp(b_sq))
-        tl.store(ws + q * 3 + 2, _stamp(b_tq))
+        # relaxed atomic stores (strong, as the other programs' polls; no order among them) of a 4-word block, one
+        # thread per word, where a scalar atomic would be issued by every thread
+        o_w = tl.arange(0, 4)
+        w_q = tl.where(o_w == 0, _stamp(b_mq), tl.where(o_w == 1, _stamp(b_sq), _stamp(b_tq)))
+        tl.atomic_xchg(ws + q * 3 + o_w, w_q, mask=o_w < 3, sem="relaxed")
         b_pm = tl.where(o_q == q, b_mq, b_pm)
         b_ps = tl.where(o_q == q, b_sq, b_ps)
         b_pt = tl.where(o_q == q, b_tq, b_pt)
@@ -1426,9 +1428,12 @@ def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sm
                    arch: int | None = None) -> int:  # fmt: skip
     """The row split of a fused launch on every SM (`_split_grid`): the least that keeps pass 2's misses within
     SPLIT_MISS of its reads (the rows in flight within L2_FRACTION of L2, as `_fused_time` counts them), but no
-    more than leaves each slice MIN_SLICE_TILES tiles; 1 where the rows in flight fit L2 already, and where a
-    grid is forced (`fused_grid_mode`: a GPU timing the grids)."""
-    if fused_grid_mode() is not None:
+    more than leaves each slice MIN_SLICE_TILES tiles; 1 where the rows in flight fit L2 already, where a grid is
+    forced (`fused_grid_mode`: a GPU timing the grids), and on sm_100 (`arch` >= 100), where the B200 model puts
+    the split rows' latency bound below the unsplit rows' DRAM bound (its copy rate nearly doubles the cost of a
+    row's fixed waits: docs/performance.md, section 5)."""
+    arch = REFERENCE_ARCH if arch is None else arch
+    if fused_grid_mode() is not None or arch >= 100:
         return 1
     tiles = -(-vocab // block_v)
     full = sms * _programs_per_sm(num_warps, True, elem_bytes, False, arch)

@@ -840,7 +840,8 @@ def test_row_split_switch(monkeypatch):
 def test_default_split(l2, monkeypatch):
     """The default split of the fused kernel's wide plans (one 16-warp program per SM, 132 SMs): the least that
     keeps pass 2's misses within SPLIT_MISS, no more than leaves each slice MIN_SLICE_TILES tiles; none where the
-    rows in flight fit L2, and none where a grid is forced. docs/performance.md, section 4, prices these."""
+    rows in flight fit L2, none where a grid is forced, none on sm_100. docs/performance.md, sections 3 to 5, price
+    these."""
     monkeypatch.delenv(triton_logits.FUSED_GRID_VARIABLE, raising=False)
     expected = {(4, 32000): 1, (4, 50304): 1, (4, 128256): 3, (4, 151936): 3, (4, 262144): 5,
                 (2, 128256): 1, (2, 151936): 1, (2, 262144): 2}  # fmt: skip
@@ -849,5 +850,6 @@ def test_default_split(l2, monkeypatch):
         block_v, warps = (8192, 16) if elem == 4 else (16384, 16)
         got[elem, vocab] = triton_logits._default_split(vocab, elem, block_v, warps, 132, l2)
     assert got == expected
+    assert triton_logits._default_split(262144, 4, 8192, 16, 148, l2, arch=100) == 1  # sm_100: none
     monkeypatch.setattr(triton_logits, "FUSED_GRID", "sms")
     assert triton_logits._default_split(262144, 4, 8192, 16, 132, l2) == 1
