@@ -1371,10 +1371,13 @@ SPLIT_MISS = 0.05  # the share of pass-2 reads a default split lets miss L2
 # waits (its pass starts, reductions, coefficient, the exchange), which a 16-bit tile's larger instruction count
 # leaves less room for (docs/performance.md, section 4, has the priced splits).
 MIN_SLICE_TILES = {2: 8, 4: 6}
-# Polls for a slice another program of the row has not published yet, before a program scans it itself: on a GPU
-# enough to cover a resident partner's whole slice many times over (a poll is an L2 round trip, ~0.5 µs), under
-# the interpreter, which runs the programs one after another, two (the wait loop runs, then the scan).
-SPLIT_SPIN = 1 << 16
+# Polls for a slice another program of the row has not published yet, before a program scans it itself. A poll is
+# an L2 round trip (about 0.5-1 µs under load), so on a GPU 64 of them wait some 30-60 µs: several times a slice's
+# own scan (6 µs for a third of an fp32 row of 151936 at the copy rate) and far more than a resident partner lags
+# (a tile's time, ~1 µs). A partner that late is not running (another kernel holds its SM), and scanning its slice
+# costs less than waiting on. Under the interpreter, which runs the programs one after another, two (the wait
+# loop runs, then the scan).
+SPLIT_SPIN = 64
 INTERPRETER_SPIN = 2
 
 
