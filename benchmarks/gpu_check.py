@@ -244,6 +244,8 @@ def measure_l2(results: Path, dry: bool) -> None:
 def measure_row_splits(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
     """Median time and floor-traffic rate of fused_token_grad with each SPLITS entry (triton_logits.ROW_SPLIT; None:
     the launcher's default), each split timed once; a row that fails says why."""
+    import torch
+
     from grpo_kernels.ops import triton_logits as tk
 
     kernels, x = _row_kernels(dtype_name, vocab, tokens, device)
@@ -254,7 +256,8 @@ def measure_row_splits(dtype_name: str, vocab: int, tokens: int, device: str, dr
         for forced in SPLITS:
             tk.ROW_SPLIT = forced
             _, block_v, num_warps, _, _ = tk._fused_plan(x, x)
-            split = tk._fused_split(x, x, block_v, num_warps, tk._scalar_rows(x, x))
+            out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")  # as the timed launch's
+            split = tk._fused_split(x, out, block_v, num_warps, tk._scalar_rows(x, out))
             if split in seen:
                 continue
             seen.add(split)

@@ -1453,10 +1453,13 @@ def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sm
 def _fused_split(logits: torch.Tensor, out: torch.Tensor, block_v: int, num_warps: int, scalar: bool) -> int:
     """SPLIT of `fused_token_grad`'s launch: `row_split()`, else `_default_split` on the logits' device, for rows
     that end in an overlapping full tile (16-byte aligned strides, V a multiple of 16 and at least a tile:
-    `_tail_tile`), else 1."""
+    `_tail_tile`), else 1. Never where the output shares the logits' storage (the in-place gradient): a program
+    of a split row reads the target's logit, and may scan a slice for a partner that is not running, while the
+    row's other programs write their gradient over the logits."""
     vocab = logits.shape[-1]
     aligned = _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
-    if scalar or not aligned or vocab % 16 or vocab < block_v:
+    shared = out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    if scalar or not aligned or vocab % 16 or vocab < block_v or shared:
         return 1
     forced = row_split()
     if forced is not None:

@@ -764,7 +764,9 @@ def test_row_split_matches_oracle(dtype, split, monkeypatch):
     """Rows split across `split` programs, each a slice of the tiles (7 tiles of 32, the last overlapping: slices
     of 3 + 4 or 2 + 2 + 3), against the oracle: ℓ, H and the gradient of every slice, targets in the first and
     the overlapping last tile, masked tokens included. Under the interpreter the programs run one after another:
-    the first of a row finds no other slice published and scans them all itself, the later ones read them."""
+    the first of a row finds no other slice published and scans them all itself, the later ones read them. The
+    in-place gradient is never split (`test_row_split_switch`): a later program would read its target's logit,
+    or scan a slice, after an earlier one wrote its gradient there."""
     monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
     monkeypatch.setattr(triton_logits, "ROW_SPLIT", split)
     vocab, batch, length = 208, 2, 3
@@ -772,11 +774,50 @@ def test_row_split_matches_oracle(dtype, split, monkeypatch):
     x = make_logits(3 * torch.randn(batch, length, vocab, generator=gen, dtype=torch.float64), dtype, "contiguous")
     ids = make_ids(batch, length, vocab, gen)
     ids[0, 0], ids[1, 2] = 0, vocab - 1
-    assert triton_logits._fused_split(x, x, 32, 1, False) == split
+    assert triton_logits._fused_split(x, torch.empty_like(x), 32, 1, False) == split
     for cfg in (LossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.8),
                 LossConfig(loss_type="cispo", beta=0.0)):  # fmt: skip
         run_fused(x, ids, cfg, token_inputs(batch, length, gen))
-        run_fused(x.clone(), ids, cfg, token_inputs(batch, length, gen), out=x.clone())
+        run_fused(x.clone(), ids, cfg, token_inputs(batch, length, gen), out=torch.empty_like(x))
+
+
+@st.composite
+def split_problems(draw):
+    """A split launch: the split, the vocabulary (a multiple of 16, tiles of 32: 1 to 13 tiles, slices empty to
+    several tiles, the last tile overlapping or not), dtype, scale, temperature and the token-level options."""
+    return {
+        "split": draw(st.integers(1, 4)),
+        "vocab": draw(st.sampled_from([32, 48, 96, 208, 400])),
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "scale": draw(st.sampled_from([0.1, 3.0, 30.0])),
+        "tau": draw(st.sampled_from([0.7, 1.0, 1.6])),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "loss_type": draw(st.sampled_from(TOKEN_LOSSES)),
+        "beta": draw(st.sampled_from([0.0, 0.04])),
+        "entropy_coef": draw(st.sampled_from([0.0, 0.01])),
+        "inplace": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=15, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=split_problems())
+def test_property_row_split(problem, monkeypatch):
+    """Any split of any row that ends in an overlapping tile against the oracle (`run_fused`), the output a fresh
+    buffer or the logits themselves (then unsplit)."""
+    monkeypatch.setattr(triton_logits, "_block_config", lambda vocab, *plan: (32, 1))
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", problem["split"])
+    gen = torch.Generator().manual_seed(problem["seed"])
+    shape = (2, 2, problem["vocab"])
+    x = make_logits(problem["scale"] * torch.randn(*shape, generator=gen, dtype=torch.float64), problem["dtype"],
+                    "contiguous")  # fmt: skip
+    ids = make_ids(2, 2, problem["vocab"], gen)
+    out = x if problem["inplace"] else torch.empty_like(x)
+    assert triton_logits._fused_split(x, out, 32, 1, False) == (1 if problem["inplace"] else problem["split"])
+    beta = problem["beta"] if exact_rows(x, ids, problem["tau"])[0].abs().max() <= 8.0 else 0.0  # as above
+    cfg = LossConfig(loss_type=problem["loss_type"], beta=beta, entropy_coef=problem["entropy_coef"],
+                     temperature=problem["tau"])  # fmt: skip
+    inputs = token_inputs(2, 2, gen, ref=beta != 0, old=beta != 0)
+    run_fused(x, ids, cfg, inputs, out=out)
 
 
 def test_row_split_takes_a_published_slice_as_is(monkeypatch):
@@ -827,13 +868,15 @@ def test_row_split_switch(monkeypatch):
         with pytest.raises(ValueError, match="GRPO_KERNELS_ROW_SPLIT"):
             triton_logits.row_split()
     monkeypatch.setattr(triton_logits, "ROW_SPLIT", 2)
-    x = torch.empty(1, 2, 208)
-    assert triton_logits._fused_split(x, x, 32, 1, False) == 2
-    assert triton_logits._fused_split(x[..., :200], x[..., :200], 32, 1, False) == 1  # V = 200: realigned rows
-    assert triton_logits._fused_split(x, x, 256, 1, False) == 1  # shorter than a tile
-    assert triton_logits._fused_split(x, x, 32, 1, True) == 1  # scalar rows
+    x, out = torch.empty(1, 2, 208), torch.empty(1, 2, 208)
+    assert triton_logits._fused_split(x, out, 32, 1, False) == 2
+    assert triton_logits._fused_split(x, x, 32, 1, False) == 1  # the gradient in place
+    assert triton_logits._fused_split(x[:, :1], x[:, 1:], 32, 1, False) == 1  # another view of the same storage
+    assert triton_logits._fused_split(x[..., :200], out[..., :200], 32, 1, False) == 1  # V = 200: realigned rows
+    assert triton_logits._fused_split(x, out, 256, 1, False) == 1  # shorter than a tile
+    assert triton_logits._fused_split(x, out, 32, 1, True) == 1  # scalar rows
     padded = torch.empty(1, 2, 213)[..., :208]  # a row stride of 213 elements: not 16-byte aligned
-    assert triton_logits._fused_split(padded, padded, 32, 1, False) == 1
+    assert triton_logits._fused_split(padded, out, 32, 1, False) == 1
 
 
 @pytest.mark.parametrize("l2", (50 << 20, 60 << 20))
