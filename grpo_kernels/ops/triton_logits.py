@@ -1143,7 +1143,7 @@ def fused_token_grad_fwd_kernel(
     SPLIT: tl.constexpr = 1,  # programs per row (`row_split`): each scans and writes a slice of the row's tiles
     SPIN: tl.constexpr = 0,  # polls for a slice another program has not published yet (`_split_row_scan`)
 ):
-    # SPLIT > 1: programs part, part + SPLIT, ... of group g = pid // SPLIT share rows g, g + grid / SPLIT, ...
+    # SPLIT > 1: program p is part p mod SPLIT of group p div SPLIT, and group g takes rows g, g + grid / SPLIT, ...
     tl.static_assert(SPLIT == 1 or TAIL_SLOTS == 0, "a row split needs rows that end in an overlapping tile")
     group = tl.program_id(0)
     groups = tl.num_programs(0)

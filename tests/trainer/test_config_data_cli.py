@@ -330,6 +330,9 @@ def test_rows_are_checked_for_the_arguments_of_a_reward_of_your_own_and_parquet_
 
     rows = [{"question": "1+1=", "level": 1}, {"question": "2+2=", "level": None}, {"question": None, "level": 2}]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    # the write's own progress bar, unless an earlier test in this process turned datasets' bars off (the trainer's
+    # reader does): not what is checked below
+    capsys.readouterr()
     chat = tmp_path / "chat.jsonl"  # every row good, a chat-format prompt among them
     chat.write_text('{"question": [{"role": "user", "content": "1+1="}], "level": 1}\n{"question": "2", "level": 2}\n')
     base = ["train", "--model", str(tmp_path / "no-model"), "--prompt-column", "question"]
