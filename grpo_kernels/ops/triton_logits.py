@@ -62,7 +62,12 @@ def _tail_tile(args: dict) -> bool:
     the last one included, goes through the pipelined loop; the other rows end in one masked tile of TAIL_SLOTS
     slots (`_tail_slots`, `_load_tail`), loaded before the loop and reduced after it (scalar rows: in chunks after
     it)."""
-    return bool(args["ALIGNED"]) and args["V"] % 16 == 0 and args["V"] >= args["BLOCK_V"]
+    return _ends_in_full_tile(bool(args["ALIGNED"]), args["V"], args["BLOCK_V"])
+
+
+def _ends_in_full_tile(aligned: bool, vocab: int, block_v: int) -> bool:
+    """`_tail_tile` from its parts: 16-byte aligned row strides, V a multiple of 16 and at least a tile."""
+    return aligned and vocab % 16 == 0 and vocab >= block_v
 
 
 @triton.jit
@@ -1439,13 +1444,13 @@ def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sm
     if fused_grid_mode() is not None or arch >= 100:
         return 1
     tiles = -(-vocab // block_v)
-    full = sms * _programs_per_sm(num_warps, True, elem_bytes, False, arch)
     best = 1
     for split in range(1, MAX_ROW_SPLIT + 1):
         if -(-tiles // split) < MIN_SLICE_TILES[elem_bytes]:
             break
         best = split
-        if 1.0 - L2_FRACTION * l2_bytes / (max(1, full // split) * vocab * elem_bytes) <= SPLIT_MISS:
+        in_flight = _split_in_flight(split, elem_bytes, num_warps, sms, arch)
+        if 1.0 - L2_FRACTION * l2_bytes / (in_flight * vocab * elem_bytes) <= SPLIT_MISS:
             break
     return best
 
@@ -1459,7 +1464,7 @@ def _fused_split(logits: torch.Tensor, out: torch.Tensor, block_v: int, num_warp
     vocab = logits.shape[-1]
     aligned = _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
     shared = out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-    if scalar or not aligned or vocab % 16 or vocab < block_v or shared:
+    if scalar or shared or not _ends_in_full_tile(aligned, vocab, block_v):
         return 1
     forced = row_split()
     if forced is not None:
@@ -1474,9 +1479,8 @@ def _split_launch(rows: int, split: int, logits: torch.Tensor, block_v: int, num
     vocab, elem = logits.shape[-1], logits.element_size()
     sms, l2_bytes = _device_caps_of(logits.device)
     arch = _device_arch(logits.device)
-    full = _split_grid(1 << 30, split, elem, num_warps, sms, arch)
     grid = _split_grid(rows, split, elem, num_warps, sms, arch) if logits.is_cuda else rows * split
-    return grid, _split_window(vocab, elem, block_v, split, full // split, l2_bytes)
+    return grid, _split_window(vocab, elem, block_v, num_warps, split, sms, l2_bytes, arch)
 
 
 def _split_grid(rows: int, split: int, elem_bytes: int, num_warps: int, sms: int, arch: int | None = None) -> int:
@@ -1486,10 +1490,18 @@ def _split_grid(rows: int, split: int, elem_bytes: int, num_warps: int, sms: int
     return max(split, min(full, rows * split) // split * split)
 
 
-def _split_window(vocab: int, elem_bytes: int, block_v: int, split: int, in_flight: int, l2_bytes: int) -> int:
-    """The pass-2 window (`pass2_window`) in tiles of a slice of a row split in `split`, `in_flight` rows in flight."""
+def _split_in_flight(split: int, elem_bytes: int, num_warps: int, sms: int, arch: int | None = None) -> int:
+    """Rows in flight of a launch split in `split` on every SM: its programs (`_split_grid`) / split."""
+    return _split_grid(1 << 30, split, elem_bytes, num_warps, sms, arch) // split
+
+
+def _split_window(vocab: int, elem_bytes: int, block_v: int, num_warps: int, split: int, sms: int, l2_bytes: int,
+                  arch: int | None = None) -> int:  # fmt: skip
+    """The pass-2 window (`pass2_window`) in tiles of a slice of a row split in `split`, for the rows in flight of a
+    launch on every SM (`_split_in_flight`): `_pass2_tiles` of a split launch."""
     tiles = -(-vocab // block_v)
     slice_tiles = -(-tiles // split)
+    in_flight = _split_in_flight(split, elem_bytes, num_warps, sms, arch)
     return max(1, math.floor(pass2_window(in_flight, vocab * elem_bytes, l2_bytes) * slice_tiles))
 
 
@@ -1847,13 +1859,14 @@ def fused_token_grad(
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
     scalar, block_v, num_warps, window, realigned = _fused_plan(logits, out)
-    programs = _num_programs(rows, logits, True, num_warps, scalar, realigned)
     split = _fused_split(logits, out, block_v, num_warps, scalar)
-    workspace = None
+    workspace, spin = None, 0
     if split > 1:
         programs, window = _split_launch(rows, split, logits, block_v, num_warps)
         workspace = _split_workspace(rows, split, logits.device)
-    spin = SPLIT_SPIN if logits.is_cuda else INTERPRETER_SPIN
+        spin = SPLIT_SPIN if logits.is_cuda else INTERPRETER_SPIN
+    else:
+        programs = _num_programs(rows, logits, True, num_warps, scalar, realigned)
     inv_tau = float(np.float32(1.0 / temperature))
     flags = coef_flags(cfg)
     fused_token_grad_fwd_kernel[(programs,)](
@@ -1864,6 +1877,6 @@ def fused_token_grad(
         *_strides(weight), *_strides(entropy_weight),
         LOG2E / temperature, inv_tau, 1.0 / temperature - inv_tau, *coef_scalars(cfg).values(),
         LOSS=flags.loss, HAS_DELTA=flags.has_delta, BIAS_KL=flags.bias_kl,
-        BLOCK_V=block_v, SPIN=spin if split > 1 else 0, num_warps=num_warps,
+        BLOCK_V=block_v, SPIN=spin, num_warps=num_warps,
     )  # fmt: skip
     return logp, entropy

@@ -285,10 +285,9 @@ def _specialize(cfg: dict) -> dict:
             probe["SPLIT"] = split
             constexprs["SPIN"] = flags.get("SPIN", module.SPLIT_SPIN if split > 1 else 0)
         if "window" in jit.arg_names and split > 1:  # a split row's window, of its slice (`_split_launch`)
-            full = module._split_grid(1 << 30, split, ELEMENT_BYTES[dtype], num_warps, module.REFERENCE_SMS,
-                                      cfg.get("arch", 90))  # fmt: skip
-            probe["window"] = module._split_window(vocab, ELEMENT_BYTES[dtype], block_v, split, full // split,
-                                                   module.REFERENCE_L2_BYTES)  # fmt: skip
+            probe["window"] = module._split_window(vocab, ELEMENT_BYTES[dtype], block_v, num_warps, split,
+                                                   module.REFERENCE_SMS, module.REFERENCE_L2_BYTES,
+                                                   cfg.get("arch", 90))  # fmt: skip
         elif "window" in jit.arg_names:  # the fused kernel's pass-2 window, as its launcher computes it
             probe["window"] = module._pass2_tiles(vocab, ELEMENT_BYTES[dtype], block_v, num_warps,
                                                   module.REFERENCE_SMS, module.REFERENCE_L2_BYTES, scalar,
@@ -342,7 +341,8 @@ def _launch_split(module, vocab: int, dtype: str, block_v: int, num_warps: int, 
                   cfg: dict) -> int:  # fmt: skip
     """`_fused_split` for a config: rows that end in an overlapping full tile split as the launcher's default
     (`_default_split`) on the config's device; `num_ctas` compiles (a cluster per row) are not split."""
-    if scalar or not flags.get("ALIGNED") or vocab % 16 or vocab < block_v or cfg.get("num_ctas", 1) > 1:
+    tail_tile = module._ends_in_full_tile(bool(flags.get("ALIGNED")), vocab, block_v)
+    if scalar or cfg.get("num_ctas", 1) > 1 or not tail_tile:
         return 1
     return module._default_split(vocab, ELEMENT_BYTES[dtype], block_v, num_warps, module.REFERENCE_SMS,
                                  module.REFERENCE_L2_BYTES, cfg.get("arch", 90))  # fmt: skip

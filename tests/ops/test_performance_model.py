@@ -86,8 +86,8 @@ def _plan(kernel: str, dtype: str, vocab: int, l2: int, grid: str | None, flags:
         args["SPLIT"] = split
         stages, maxnreg = triton_logits._launch_plan(args, two_pass=kernel == FUSED)
         if split > 1:
-            full = triton_logits._split_grid(1 << 30, split, x.element_size(), warps, triton_logits.REFERENCE_SMS)
-            window = triton_logits._split_window(vocab, x.element_size(), block_v, split, full // split, l2)
+            window = triton_logits._split_window(vocab, x.element_size(), block_v, warps, split,
+                                                 triton_logits.REFERENCE_SMS, l2)  # fmt: skip
         else:
             window = triton_logits._pass2_tiles(vocab, x.element_size(), block_v, warps, triton_logits.REFERENCE_SMS,
                                                 l2)  # fmt: skip
