@@ -90,8 +90,9 @@ SCHEDULES = ((1, False), (3, False), (3, True))
 # Then, last (its row-order compile is the phase's one extra), the fused kernel's pass 2 in the launcher's order
 # against row order (triton_logits.PASS2_WINDOW = 1), where the two differ: 132 bf16 rows of 262144 exceed L2.
 ORDER_SHAPES, DRY_ORDER_SHAPES = [("bf16", 262144, 16384)], [("fp32", 64, 8)]
-# Then the fused kernel's row split (triton_logits.ROW_SPLIT): the launcher's default (3 at fp32 V = 151936) against
-# no split and a split in 2 (two compiles more; its budget took 10 s of loss_rest's).
+# Then the fused kernel's row split (triton_logits.ROW_SPLIT): the launcher's default (the split plan, two 8-warp
+# programs per SM, 6 or 7 per row at fp32 V = 151936) against no split (the one-program plan) and a split in 2 (two
+# compiles more; its budget took 10 s of loss_rest's).
 SPLIT_SHAPES, DRY_SPLIT_SHAPES = [("fp32", 151936, 16384)], [("fp32", 64, 8)]
 SPLITS = (None, 1, 2)
 SUPERVISOR_MARGIN_S = 15  # the loss table's own budget stops it this long before its phase is killed
@@ -244,8 +245,6 @@ def measure_l2(results: Path, dry: bool) -> None:
 def measure_row_splits(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
     """Median time and floor-traffic rate of fused_token_grad with each SPLITS entry (triton_logits.ROW_SPLIT; None:
     the launcher's default), each split timed once; a row that fails says why."""
-    import torch
-
     from grpo_kernels.ops import triton_logits as tk
 
     kernels, x = _row_kernels(dtype_name, vocab, tokens, device)
@@ -255,23 +254,39 @@ def measure_row_splits(dtype_name: str, vocab: int, tokens: int, device: str, dr
     try:
         for forced in SPLITS:
             tk.ROW_SPLIT = forced
-            _, block_v, num_warps, _, _ = tk._fused_plan(x, x)
-            out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")  # as the timed launch's
-            split = tk._fused_split(x, out, block_v, num_warps, tk._scalar_rows(x, out))
+            block_v, num_warps, split, _, _ = _fused_launch(x)
             if split in seen:
                 continue
             seen.add(split)
-            row = {"split": split, "default": forced is None, "tiles": -(-vocab // block_v)}
+            row = {"split": split, "default": forced is None, "tiles": -(-vocab // block_v),
+                   "warps": num_warps}  # fmt: skip
             rows.append(_timed_row(row, nbytes, fn, device, dry))
     finally:
         tk.ROW_SPLIT = saved
     return {"dtype": dtype_name, "V": vocab, "BT": tokens, "rows": rows}
 
 
+def _fused_launch(x: Any) -> tuple[int, int, int, int, int]:
+    """(BLOCK_V, num_warps, SPLIT, pass-2 window in tiles, tiles of a program's row or slice) of the timed
+    fused_token_grad launch over `x` (its output a fresh tensor: `_row_kernels`)."""
+    import torch
+
+    from grpo_kernels.ops import triton_logits as tk
+
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    _, block_v, num_warps, window, _, split = tk._fused_plan(x, out)
+    tiles = -(-x.shape[-1] // block_v)
+    if split > 1:
+        window = tk._split_launch(x.shape[0] * x.shape[1], split, x, block_v, num_warps)[1]
+    return block_v, num_warps, split, window, -(-tiles // split)
+
+
 def splits_markdown(splits: dict[str, Any]) -> str:
     title = f"Row split (fused_token_grad, {splits['dtype']}, V = {splits['V']}, B·T = {splits['BT']})"
-    cells = [f"{r['split']}{' (default)' if r['default'] else ''} | {r['tiles']}" for r in splits["rows"]]
-    return _timed_rows_markdown(title, "programs per row | tiles per row", "---: | ---:", splits["rows"], cells)
+    cells = [f"{r['split']}{' (default)' if r['default'] else ''} | {r['warps']} | {r['tiles']}"
+             for r in splits["rows"]]  # fmt: skip
+    return _timed_rows_markdown(title, "programs per row | warps per program | tiles per row", "---: | ---: | ---:",
+                                splits["rows"], cells)  # fmt: skip
 
 
 def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, dry: bool) -> dict[str, Any]:
@@ -286,9 +301,9 @@ def measure_pass2_orders(dtype_name: str, vocab: int, tokens: int, device: str, 
     try:
         for share in (None, 1.0):
             tk.PASS2_WINDOW = share
-            _, block_v, _, tiles, _ = tk._fused_plan(x, x)
-            row = {"order": "launcher's" if share is None else "row order", "window_tiles": tiles,
-                   "tiles": -(-vocab // block_v)}  # fmt: skip
+            _, _, _, window, tiles = _fused_launch(x)
+            row = {"order": "launcher's" if share is None else "row order", "window_tiles": window,
+                   "tiles": tiles}  # fmt: skip
             rows.append(_timed_row(row, nbytes, fn, device, dry))
     finally:
         tk.PASS2_WINDOW = saved

@@ -1370,12 +1370,21 @@ PASS2_WINDOW_VARIABLE = "GRPO_KERNELS_PASS2_WINDOW"
 # time other splits with the variable.
 ROW_SPLIT: int | None = None  # None: the variable GRPO_KERNELS_ROW_SPLIT (1 to MAX_ROW_SPLIT), else the default
 ROW_SPLIT_VARIABLE = "GRPO_KERNELS_ROW_SPLIT"
-MAX_ROW_SPLIT = 8
-SPLIT_MISS = 0.05  # the share of pass-2 reads a default split lets miss L2
-# The least tiles a slice of the default split keeps, by element size: each slice pays the row's fixed code and
-# waits (its pass starts, reductions, coefficient, the exchange), which a 16-bit tile's larger instruction count
-# leaves less room for (docs/performance.md, section 4, has the priced splits).
-MIN_SLICE_TILES = {2: 8, 4: 6}
+MAX_ROW_SPLIT = 16
+SPLIT_MISS = 0.0  # the share of pass-2 reads a default split lets miss L2: none
+# The least tiles a slice of the default split keeps: each slice pays the row's fixed code (its pass starts,
+# reductions, coefficient, the exchange) in instructions, while its waits overlap the SM's other program.
+MIN_SLICE_TILES = 4
+# The split plan (`_split_plan`): the fused kernel's rows above V = 65536 on Hopper, split by default, as two
+# programs of 8 warps per SM (`SPLIT_PROGRAMS_PER_SM`), 64 bytes of logits per thread per tile (16 fp32, 32
+# 16-bit: the registers of the one-program plans, 128). One program's serial phases (pass starts, reductions, the
+# exchange) overlap the other's tiles, and the split keeps the rows in flight within L2 (docs/performance.md,
+# section 4).
+SPLIT_BLOCK_CONFIG = {2: (8192, 8), 4: (4096, 8)}  # element bytes: (BLOCK_V, num_warps)
+SPLIT_PROGRAMS_PER_SM = 2
+# The one-program plan's pass-2 miss share above which the split plan is the default: below it (bf16 at V =
+# 128256-129280 on an H200, 7-8 %), its DRAM bound is higher than the split plan's issue bound over 16-bit logits.
+SPLIT_PLAN_MISS = 0.1
 # Polls for a slice another program of the row has not published yet, before a program scans it itself. A poll is
 # an L2 round trip (about 0.5-1 µs under load), so on a GPU 64 of them wait some 30-60 µs: several times a slice's
 # own scan (6 µs for a third of an fp32 row of 151936 at the copy rate) and far more than a resident partner lags
@@ -1432,24 +1441,38 @@ def row_split() -> int | None:
     return split
 
 
+def _split_plan(vocab: int, elem_bytes: int, sms: int, l2_bytes: int,
+                arch: int | None = None) -> tuple[int, int] | None:  # fmt: skip
+    """(BLOCK_V, num_warps) of the split plan (SPLIT_BLOCK_CONFIG) where the fused kernel's rows take it: V > 65536
+    on Hopper, where a split above 1 is forced (`row_split`), else by default where the one-program plan's rows in
+    flight (`_grid_size`) would miss more than SPLIT_PLAN_MISS of pass 2's reads in L2; None elsewhere: a forced
+    split of 1, a forced grid (`fused_grid_mode`: a GPU timing the grids), and sm_100 (`arch` >= 100), where the
+    B200 model puts the split rows' latency bound below the unsplit rows' DRAM bound (its copy rate nearly doubles
+    the cost of a row's fixed waits: docs/performance.md, section 5)."""
+    arch = REFERENCE_ARCH if arch is None else arch
+    if vocab <= 65536 or arch >= 100 or elem_bytes not in SPLIT_BLOCK_CONFIG or fused_grid_mode() is not None:
+        return None
+    forced = row_split()
+    if forced is None:
+        in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, 16, None, False, arch)
+        forced = 2 if 1.0 - L2_FRACTION * l2_bytes / (in_flight * vocab * elem_bytes) > SPLIT_PLAN_MISS else 1
+    return SPLIT_BLOCK_CONFIG[elem_bytes] if forced > 1 else None
+
+
 def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int,
                    arch: int | None = None) -> int:  # fmt: skip
-    """The row split of a fused launch on every SM (`_split_grid`): the least that keeps pass 2's misses within
-    SPLIT_MISS of its reads (the rows in flight within L2_FRACTION of L2, as `_fused_time` counts them), but no
-    more than leaves each slice MIN_SLICE_TILES tiles; 1 where the rows in flight fit L2 already, where a grid is
-    forced (`fused_grid_mode`: a GPU timing the grids), and on sm_100 (`arch` >= 100), where the B200 model puts
-    the split rows' latency bound below the unsplit rows' DRAM bound (its copy rate nearly doubles the cost of a
-    row's fixed waits: docs/performance.md, section 5)."""
-    arch = REFERENCE_ARCH if arch is None else arch
-    if fused_grid_mode() is not None or arch >= 100:
+    """The row split of a fused launch in the split plan (`_split_plan`) on every SM (`_split_grid`): the least
+    that keeps pass 2's misses within SPLIT_MISS of its reads (the rows in flight within L2_FRACTION of L2, as
+    `_fused_time` counts them), but no more than leaves each slice MIN_SLICE_TILES tiles; 1 in any other plan."""
+    if (block_v, num_warps) != _split_plan(vocab, elem_bytes, sms, l2_bytes, arch):
         return 1
     tiles = -(-vocab // block_v)
     best = 1
     for split in range(1, MAX_ROW_SPLIT + 1):
-        if -(-tiles // split) < MIN_SLICE_TILES[elem_bytes]:
+        if -(-tiles // split) < MIN_SLICE_TILES:
             break
         best = split
-        in_flight = _split_in_flight(split, elem_bytes, num_warps, sms, arch)
+        in_flight = _split_in_flight(split, elem_bytes, block_v, num_warps, sms, arch)
         if 1.0 - L2_FRACTION * l2_bytes / (in_flight * vocab * elem_bytes) <= SPLIT_MISS:
             break
     return best
@@ -1479,20 +1502,30 @@ def _split_launch(rows: int, split: int, logits: torch.Tensor, block_v: int, num
     vocab, elem = logits.shape[-1], logits.element_size()
     sms, l2_bytes = _device_caps_of(logits.device)
     arch = _device_arch(logits.device)
-    grid = _split_grid(rows, split, elem, num_warps, sms, arch) if logits.is_cuda else rows * split
+    grid = _split_grid(rows, split, elem, block_v, num_warps, sms, arch) if logits.is_cuda else rows * split
     return grid, _split_window(vocab, elem, block_v, num_warps, split, sms, l2_bytes, arch)
 
 
-def _split_grid(rows: int, split: int, elem_bytes: int, num_warps: int, sms: int, arch: int | None = None) -> int:
-    """The persistent grid of a split launch: every SM's resident programs (the "sms" grid, `_programs_per_sm`) to
-    a multiple of `split`, at most `split` per row."""
-    full = sms * _programs_per_sm(num_warps, True, elem_bytes, False, arch)
+def _split_per_sm(elem_bytes: int, block_v: int, num_warps: int, arch: int | None = None) -> int:
+    """Resident programs per SM of a split launch: SPLIT_PROGRAMS_PER_SM in the split plan (SPLIT_BLOCK_CONFIG),
+    else the fused kernel's (`_programs_per_sm`: a split forced on another plan)."""
+    if SPLIT_BLOCK_CONFIG.get(elem_bytes) == (block_v, num_warps):
+        return SPLIT_PROGRAMS_PER_SM
+    return _programs_per_sm(num_warps, True, elem_bytes, False, arch)
+
+
+def _split_grid(rows: int, split: int, elem_bytes: int, block_v: int, num_warps: int, sms: int,
+                arch: int | None = None) -> int:  # fmt: skip
+    """The persistent grid of a split launch: every SM's resident programs (`_split_per_sm`) to a multiple of
+    `split`, at most `split` per row."""
+    full = sms * _split_per_sm(elem_bytes, block_v, num_warps, arch)
     return max(split, min(full, rows * split) // split * split)
 
 
-def _split_in_flight(split: int, elem_bytes: int, num_warps: int, sms: int, arch: int | None = None) -> int:
+def _split_in_flight(split: int, elem_bytes: int, block_v: int, num_warps: int, sms: int,
+                     arch: int | None = None) -> int:  # fmt: skip
     """Rows in flight of a launch split in `split` on every SM: its programs (`_split_grid`) / split."""
-    return _split_grid(1 << 30, split, elem_bytes, num_warps, sms, arch) // split
+    return _split_grid(1 << 30, split, elem_bytes, block_v, num_warps, sms, arch) // split
 
 
 def _split_window(vocab: int, elem_bytes: int, block_v: int, num_warps: int, split: int, sms: int, l2_bytes: int,
@@ -1501,7 +1534,7 @@ def _split_window(vocab: int, elem_bytes: int, block_v: int, num_warps: int, spl
     launch on every SM (`_split_in_flight`): `_pass2_tiles` of a split launch."""
     tiles = -(-vocab // block_v)
     slice_tiles = -(-tiles // split)
-    in_flight = _split_in_flight(split, elem_bytes, num_warps, sms, arch)
+    in_flight = _split_in_flight(split, elem_bytes, block_v, num_warps, sms, arch)
     return max(1, math.floor(pass2_window(in_flight, vocab * elem_bytes, l2_bytes) * slice_tiles))
 
 
@@ -1526,18 +1559,23 @@ def _rotates(window: int, vocab: int, block_v: int) -> bool:
     return window < -(-vocab // block_v)
 
 
-def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int, int, bool]:
-    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles, realigned rows: the kernel's HEAD) of
-    `fused_token_grad`'s launch on the logits' device."""
+def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int, int, bool, int]:
+    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles, realigned rows: the kernel's HEAD, SPLIT) of
+    `fused_token_grad`'s launch on the logits' device: the split plan (`_split_plan`) where it applies and the
+    launch splits (`_fused_split`), else `_fused_block_config`'s, split where one is forced."""
     vocab = logits.shape[-1]
     scalar = _scalar_rows(logits, out)
     realigned = not scalar and not _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
     narrow = _narrow_plan(logits, "fused")
     arch = _device_arch(logits.device)
     block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, arch)
+    wide = _split_plan(vocab, logits.element_size(), *_device_caps_of(logits.device), arch)
+    if wide is not None and _fused_split(logits, out, *wide, scalar) > 1:
+        block_v, num_warps = wide
+    split = _fused_split(logits, out, block_v, num_warps, scalar)
     window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar,
                           arch, realigned)  # fmt: skip
-    return scalar, block_v, num_warps, window, realigned
+    return scalar, block_v, num_warps, window, realigned, split
 
 
 def tiles_in_flight() -> int:
@@ -1625,17 +1663,18 @@ def _grid_size(rows: int, vocab: int, elem_bytes: int, two_pass: bool, sms: int,
 
 def _pipeline(
     block_v: int, elem_bytes: int, vocab: int, two_pass: bool, sms: int, l2_bytes: int, num_warps: int = 16,
-    mode: str | None = None, arch: int | None = None, head: bool = False,
+    mode: str | None = None, arch: int | None = None, head: bool = False, per_sm: int | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """(NUM_STAGES, resident programs per SM planned) of one launch.
 
     NUM_STAGES − 1 tiles are in flight (cp.async into shared memory) while one is reduced; 1 is no pipeline (a
     one-tile row). The resident programs together carry IN_FLIGHT_PER_SM x SMs: where the fused grid leaves SMs
     idle (the L2-sized grid of large rows), each program gets a deeper pipeline (in-row parallelism in place of
-    rows)."""
+    rows). `per_sm`: a split launch's programs per SM (`_split_per_sm`), else the plan's (`_programs_per_sm`)."""
     tiles = -(-vocab // block_v)
     tile_bytes = block_v * elem_bytes
-    per_sm = _programs_per_sm(num_warps, two_pass, elem_bytes, arch=arch, head=head)
+    if per_sm is None:
+        per_sm = _programs_per_sm(num_warps, two_pass, elem_bytes, arch=arch, head=head)
     resident = per_sm * sms
     if two_pass:
         resident = _fused_grid(1 << 30, vocab * elem_bytes, elem_bytes, per_sm, sms, l2_bytes, mode)
@@ -1659,12 +1698,13 @@ def _launch_plan(args: dict, two_pass: bool) -> tuple[int, int]:
     x = args["x_ptr"]
     num_warps = args.get("num_warps", 4)  # 4: Triton's default
     mode = fused_grid_mode() if two_pass else None
-    if two_pass and args.get("SPLIT", 1) > 1:
-        mode = "sms"  # a split row's launch: every SM's programs (`_split_launch`)
     arch = _device_arch(x.device)
+    split_per_sm = None
+    if two_pass and args.get("SPLIT", 1) > 1:  # a split row's launch: every SM's programs (`_split_launch`)
+        mode, split_per_sm = "sms", _split_per_sm(x.element_size(), args["BLOCK_V"], num_warps, arch)
     stages, per_sm = _pipeline(
         args["BLOCK_V"], x.element_size(), args["V"], two_pass, *_device_caps_of(x.device), num_warps, mode, arch,
-        bool(args.get("HEAD")),
+        bool(args.get("HEAD")), split_per_sm,
     )  # fmt: skip
     if not (args["ALIGNED"] or args.get("HEAD")):  # scalar loads: no cp.async to pipeline, one program per SM
         return 1, _max_registers(num_warps, 1)
@@ -1858,8 +1898,7 @@ def fused_token_grad(
     logp = torch.empty(batch, length, dtype=torch.float64, device=logits.device)
     entropy = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
     rows = batch * length
-    scalar, block_v, num_warps, window, realigned = _fused_plan(logits, out)
-    split = _fused_split(logits, out, block_v, num_warps, scalar)
+    scalar, block_v, num_warps, window, realigned, split = _fused_plan(logits, out)
     workspace, spin = None, 0
     if split > 1:
         programs, window = _split_launch(rows, split, logits, block_v, num_warps)

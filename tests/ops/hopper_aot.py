@@ -246,41 +246,39 @@ def _specialize(cfg: dict) -> dict:
     vocab, dtype, flags = cfg["vocab"], cfg["dtype"], dict(cfg["flags"])
     if "HEAD" in getattr(kernel, "values", {}):  # a config that does not name it: the plain unaligned path
         flags.setdefault("HEAD", False)
-    if cfg["module"] == "triton_logits":  # the plain path (neither ALIGNED nor HEAD) as the launchers plan it
-        scalar = not flags.get("ALIGNED", True) and not flags.get("HEAD")
-        narrow = narrow_plan(cfg["kernel"], dtype)
-        if cfg["kernel"] == "fused_token_grad_fwd_kernel":  # the fused kernel's plan also depends on the device
-            block_v, num_warps = module._fused_block_config(vocab, scalar, narrow, bool(flags.get("HEAD")),
-                                                            cfg.get("arch", 90))  # fmt: skip
-        else:
-            block_v, num_warps = module._block_config(vocab, scalar, narrow)
-    else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
-        block_v, num_warps = module._block_v(vocab), 4
-    # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the
-    # heuristics fall back to the reference H100/H200 figures).
-    probe = {
-        "x_ptr": torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]),
-        "V": vocab,
-        "BLOCK_V": block_v,
-        "num_warps": num_warps,
-        **flags,
-    }
-    # constexpr parameters with a default the config does not set (the fused kernel's SPLIT, SPIN): the default
-    constexprs = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
-    constexprs.update(flags, BLOCK_V=block_v)
-    options = {"num_warps": num_warps}
     # The device the launch plan is for (the heuristics see a CPU tensor, so they plan for the reference device's
     # figures: set them to this config's: L2 and compute capability), and the fused grid it forces, if any.
     device = {"REFERENCE_L2_BYTES": cfg.get("l2_bytes"), "FUSED_GRID": cfg.get("grid"),
-              "REFERENCE_ARCH": cfg.get("arch")}  # fmt: skip
+              "REFERENCE_ARCH": cfg.get("arch"), "ROW_SPLIT": flags.get("SPLIT")}  # fmt: skip
     saved = {name: getattr(module, name) for name in device if hasattr(module, name)}
     for name, value in saved.items():
         setattr(module, name, device[name] if device[name] is not None else value)
     try:
         split = 1
-        if "ws_ptr" in jit.arg_names:  # the fused kernel's row split, as its launcher picks it (`_fused_split`)
-            split = flags["SPLIT"] if "SPLIT" in flags else _launch_split(module, vocab, dtype, block_v, num_warps,
-                                                                           flags, scalar, cfg)  # fmt: skip
+        if cfg["module"] == "triton_logits":  # the plain path (neither ALIGNED nor HEAD) as the launchers plan it
+            scalar = not flags.get("ALIGNED", True) and not flags.get("HEAD")
+            narrow = narrow_plan(cfg["kernel"], dtype)
+            if cfg["kernel"] == "fused_token_grad_fwd_kernel":  # its plan and row split, as its launcher's
+                block_v, num_warps, split = fused_layout(module, vocab, dtype, flags, scalar, cfg)
+            else:
+                block_v, num_warps = module._block_config(vocab, scalar, narrow)
+        else:  # the fused-linear folds: BLOCK_V columns per step, Triton's default 4 warps
+            block_v, num_warps = module._block_v(vocab), 4
+        # What the launch heuristics pick for a tensor of this dtype on the reference device (CPU tensor: the
+        # heuristics fall back to the reference H100/H200 figures).
+        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        probe = {
+            "x_ptr": torch.empty(0, dtype=torch_dtype),
+            "V": vocab,
+            "BLOCK_V": block_v,
+            "num_warps": num_warps,
+            **flags,
+        }
+        # constexpr parameters with a default the config does not set (the fused kernel's SPLIT, SPIN): the default
+        constexprs = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
+        constexprs.update(flags, BLOCK_V=block_v)
+        options = {"num_warps": num_warps}
+        if "ws_ptr" in jit.arg_names:  # the fused kernel's row split
             probe["ws_ptr"] = torch.empty(0, split, 3, dtype=torch.int64) if split > 1 else None
             probe["SPLIT"] = split
             constexprs["SPIN"] = flags.get("SPIN", module.SPLIT_SPIN if split > 1 else 0)
@@ -337,15 +335,26 @@ def _specialize(cfg: dict) -> dict:
             "arch": cfg.get("arch", 90), "plan": plan, "name": f"{cfg['module']}.{cfg['kernel']}"}  # fmt: skip
 
 
-def _launch_split(module, vocab: int, dtype: str, block_v: int, num_warps: int, flags: dict, scalar: bool,
-                  cfg: dict) -> int:  # fmt: skip
-    """`_fused_split` for a config: rows that end in an overlapping full tile split as the launcher's default
-    (`_default_split`) on the config's device; `num_ctas` compiles (a cluster per row) are not split."""
-    tail_tile = module._ends_in_full_tile(bool(flags.get("ALIGNED")), vocab, block_v)
-    if scalar or cfg.get("num_ctas", 1) > 1 or not tail_tile:
-        return 1
-    return module._default_split(vocab, ELEMENT_BYTES[dtype], block_v, num_warps, module.REFERENCE_SMS,
-                                 module.REFERENCE_L2_BYTES, cfg.get("arch", 90))  # fmt: skip
+def fused_layout(module, vocab: int, dtype: str, flags: dict, scalar: bool, cfg: dict) -> tuple[int, int, int]:
+    """(BLOCK_V, num_warps, SPLIT) of a fused-kernel config as `_fused_plan` picks them on the device the module's
+    reference figures are set to (a config's SPLIT flag is its ROW_SPLIT: `_specialize`): the split plan
+    (`_split_plan`) where it applies and the rows split, else `_fused_block_config`'s; `num_ctas` compiles (a
+    cluster per row) are not split."""
+    elem, arch = ELEMENT_BYTES[dtype], cfg.get("arch", 90)
+    block_v, num_warps = module._fused_block_config(vocab, scalar, narrow_plan(cfg["kernel"], dtype),
+                                                    bool(flags.get("HEAD")), arch)  # fmt: skip
+    caps = module.REFERENCE_SMS, module.REFERENCE_L2_BYTES
+
+    def split_of(block: int, warps: int) -> int:  # `_fused_split` on this device
+        aligned = bool(flags.get("ALIGNED"))
+        if scalar or cfg.get("num_ctas", 1) > 1 or not module._ends_in_full_tile(aligned, vocab, block):
+            return 1
+        return module.row_split() or module._default_split(vocab, elem, block, warps, *caps, arch)
+
+    wide = module._split_plan(vocab, elem, *caps, arch)
+    if wide is not None and split_of(*wide) > 1:
+        block_v, num_warps = wide
+    return block_v, num_warps, split_of(block_v, num_warps)
 
 
 def _assemble(spec: dict, seen: dict) -> tuple[dict, bytes]:

@@ -654,19 +654,26 @@ def test_wide_fused_plan_on_sm100_runs_one_program_per_sm(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("vocab", "plan"), [(32784, (8192, 8)), (32785, (8192, 8)), (65552, (16384, 16)), (65553, (16384, 16))]
-)  # aligned (overlapping last tile) and realigned (masked tail)
-def test_wide_fused_plan_rows(vocab, plan):
+    ("vocab", "forced", "plan"),
+    [(32784, None, (8192, 8, 1)), (32785, None, (8192, 8, 1)), (65552, None, (16384, 16, 1)),
+     (65552, 2, (8192, 8, 2)), (65553, None, (16384, 16, 1))],
+)  # fmt: skip  # aligned (overlapping last tile) and realigned (masked tail)
+def test_wide_fused_plan_rows(vocab, forced, plan, monkeypatch):
     """The fused kernel's 16-bit plans past V = 32768, 5 tiles of 8192 over 8 warps (two programs per SM) and past
-    65536 of 16384 over 16 (one), the last tile overlapping the one before or masked, against the oracle, the target
-    in the last tile and the row's max in the first."""
-    assert triton_logits._block_config(vocab, False, "fused") == plan
+    65536 16384 over 16 (one: its 132 rows in flight fit L2), or with a split forced the split plan (`_split_plan`:
+    tiles of 8192 over 8 warps, two programs per SM, each row split in 2), the last tile overlapping the one
+    before or masked (realigned rows, never split), against the oracle, the target in the last tile and the row's
+    max in the first."""
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", forced)
+    assert triton_logits._block_config(vocab, False, "fused") == (plan[:2] if vocab < 65536 else (16384, 16))
     assert triton_logits._programs_per_sm(plan[1], True, 2) == 16 // plan[1]
     gen = torch.Generator().manual_seed(vocab)
     values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
     values[0, 0, 7] += 40.0
     x = make_logits(values, torch.bfloat16, "contiguous")  # V odd: HEAD rows, realigned to 16 elements; else ALIGNED
     assert not triton_logits._scalar_rows(x)
+    fused = triton_logits._fused_plan(x, torch.empty_like(x))
+    assert (*fused[1:3], fused[5]) == plan
     ids = torch.tensor([[vocab - 2, 16390]], device=DEVICE)
     cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
@@ -862,7 +869,7 @@ def test_row_split_switch(monkeypatch):
     assert triton_logits.row_split() == 3
     monkeypatch.setattr(triton_logits, "ROW_SPLIT", 1)  # the attribute wins over the variable
     assert triton_logits.row_split() == 1
-    for bad in (0, 9, "two", "2.5", -1):
+    for bad in (0, triton_logits.MAX_ROW_SPLIT + 1, "two", "2.5", -1):
         monkeypatch.setattr(triton_logits, "ROW_SPLIT", bad)
         with pytest.raises(ValueError, match="GRPO_KERNELS_ROW_SPLIT"):
             triton_logits.row_split()
@@ -878,20 +885,40 @@ def test_row_split_switch(monkeypatch):
     assert triton_logits._fused_split(padded, out, 32, 1, False) == 1
 
 
-@pytest.mark.parametrize("l2", (50 << 20, 60 << 20))
-def test_default_split(l2, monkeypatch):
-    """The default split of the fused kernel's wide plans (one 16-warp program per SM, 132 SMs): the least that
-    keeps pass 2's misses within SPLIT_MISS, no more than leaves each slice MIN_SLICE_TILES tiles; none where the
-    rows in flight fit L2, none where a grid is forced, none on sm_100. docs/performance.md, sections 3 to 5, price
-    these."""
-    monkeypatch.delenv(triton_logits.FUSED_GRID_VARIABLE, raising=False)
-    expected = {(4, 32000): 1, (4, 50304): 1, (4, 128256): 3, (4, 151936): 3, (4, 262144): 5,
-                (2, 128256): 1, (2, 151936): 1, (2, 262144): 2}  # fmt: skip
+@pytest.mark.parametrize(("l2", "expected"), [
+    (50 << 20, {(4, 81920): 4, (4, 128256): 6, (4, 151936): 7, (4, 262144): 11,
+                (2, 81920): None, (2, 128256): 3, (2, 151936): 4, (2, 262144): 6}),
+    (60 << 20, {(4, 81920): 3, (4, 128256): 5, (4, 151936): 6, (4, 262144): 9,
+                (2, 81920): None, (2, 128256): None, (2, 151936): 3, (2, 262144): 5}),
+])  # fmt: skip  # None: the one-program plan, its pass-2 misses within SPLIT_PLAN_MISS
+def test_default_split(l2, expected, monkeypatch):
+    """The default split of the fused kernel's split plan (`_split_plan`: two 8-warp programs per SM, 132 SMs,
+    V > 65536, where the one-program plan would miss more than SPLIT_PLAN_MISS of pass 2 in L2, or a split is
+    forced): the least that keeps the rows in flight within the L2 budget (SPLIT_MISS: no pass-2 miss), no more
+    than leaves each slice MIN_SLICE_TILES tiles; none in any other plan (V <= 65536, sm_100, a forced grid).
+    docs/performance.md, section 4, prices these."""
+    for name in (triton_logits.FUSED_GRID_VARIABLE, triton_logits.ROW_SPLIT_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
     got = {}
     for elem, vocab in expected:
-        block_v, warps = (8192, 16) if elem == 4 else (16384, 16)
-        got[elem, vocab] = triton_logits._default_split(vocab, elem, block_v, warps, 132, l2)
+        plan = triton_logits._split_plan(vocab, elem, 132, l2)
+        wide = triton_logits.SPLIT_BLOCK_CONFIG[elem]
+        got[elem, vocab] = None if plan is None else triton_logits._default_split(vocab, elem, *plan, 132, l2)
+        assert plan in (None, wide)
+        if plan is None:
+            assert triton_logits._default_split(vocab, elem, *wide, 132, l2) == 1
+        else:
+            assert triton_logits._split_grid(1 << 20, got[elem, vocab], elem, *plan, 132) > 132 * 3 // 2  # 2 per SM
     assert got == expected
-    assert triton_logits._default_split(262144, 4, 8192, 16, 148, l2, arch=100) == 1  # sm_100: none
+    assert triton_logits._split_plan(65536, 4, 132, l2) is None  # the one-program plans up to V = 65536
+    assert triton_logits._split_plan(262144, 4, 148, l2, arch=100) is None  # sm_100: none
+    assert triton_logits._default_split(262144, 4, 4096, 8, 148, l2, arch=100) == 1
+    assert triton_logits._default_split(262144, 4, 8192, 16, 132, l2) == 1  # the one-program plan
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", 2)  # a forced split takes the split plan, misses or not
+    assert triton_logits._split_plan(81920, 2, 132, l2) == triton_logits.SPLIT_BLOCK_CONFIG[2]
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", 1)
+    assert triton_logits._split_plan(262144, 4, 132, l2) is None
+    monkeypatch.setattr(triton_logits, "ROW_SPLIT", None)
     monkeypatch.setattr(triton_logits, "FUSED_GRID", "sms")
-    assert triton_logits._default_split(262144, 4, 8192, 16, 132, l2) == 1
+    assert triton_logits._split_plan(262144, 4, 132, l2) is None
+    assert triton_logits._default_split(262144, 4, 4096, 8, 132, l2) == 1
