@@ -276,8 +276,6 @@ def _fused_launch(x: Any) -> tuple[int, int, int, int, int]:
     out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     _, block_v, num_warps, window, _, split = tk._fused_plan(x, out)
     tiles = -(-x.shape[-1] // block_v)
-    if split > 1:
-        window = tk._split_launch(x.shape[0] * x.shape[1], split, x, block_v, num_warps)[1]
     return block_v, num_warps, split, window, -(-tiles // split)
 
 

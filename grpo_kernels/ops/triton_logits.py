@@ -1453,10 +1453,11 @@ def _split_plan(vocab: int, elem_bytes: int, sms: int, l2_bytes: int,
     if vocab <= 65536 or arch >= 100 or elem_bytes not in SPLIT_BLOCK_CONFIG or fused_grid_mode() is not None:
         return None
     forced = row_split()
-    if forced is None:
-        in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, 16, None, False, arch)
-        forced = 2 if 1.0 - L2_FRACTION * l2_bytes / (in_flight * vocab * elem_bytes) > SPLIT_PLAN_MISS else 1
-    return SPLIT_BLOCK_CONFIG[elem_bytes] if forced > 1 else None
+    if forced is not None:
+        return SPLIT_BLOCK_CONFIG[elem_bytes] if forced > 1 else None
+    in_flight = _grid_size(1 << 30, vocab, elem_bytes, True, sms, l2_bytes, 16, None, False, arch)
+    miss = 1.0 - L2_FRACTION * l2_bytes / (in_flight * vocab * elem_bytes)
+    return SPLIT_BLOCK_CONFIG[elem_bytes] if miss > SPLIT_PLAN_MISS else None
 
 
 def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sms: int, l2_bytes: int,
@@ -1479,31 +1480,55 @@ def _default_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, sm
 
 
 def _fused_split(logits: torch.Tensor, out: torch.Tensor, block_v: int, num_warps: int, scalar: bool) -> int:
-    """SPLIT of `fused_token_grad`'s launch: `row_split()`, else `_default_split` on the logits' device, for rows
-    that end in an overlapping full tile (16-byte aligned strides, V a multiple of 16 and at least a tile:
-    `_tail_tile`), else 1. Never where the output shares the logits' storage (the in-place gradient): a program
-    of a split row reads the target's logit, and may scan a slice for a partner that is not running, while the
-    row's other programs write their gradient over the logits."""
-    vocab = logits.shape[-1]
-    aligned = _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
-    shared = out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-    if scalar or shared or not _ends_in_full_tile(aligned, vocab, block_v):
+    """SPLIT of `fused_token_grad`'s launch in this block config (`_launch_split` on the logits' device). Never
+    where the output shares the logits' storage (the in-place gradient): a program of a split row reads the
+    target's logit, and may scan a slice for a partner that is not running, while the row's other programs write
+    their gradient over the logits."""
+    if _shares_storage(logits, out):
         return 1
-    forced = row_split()
-    if forced is not None:
-        return forced
-    return _default_split(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device),
-                          _device_arch(logits.device))  # fmt: skip
+    aligned = _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
+    return _launch_split(logits.shape[-1], logits.element_size(), block_v, num_warps, aligned, scalar,
+                         *_device_caps_of(logits.device), _device_arch(logits.device))  # fmt: skip
 
 
-def _split_launch(rows: int, split: int, logits: torch.Tensor, block_v: int, num_warps: int) -> tuple[int, int]:
-    """(grid, pass-2 window in tiles of a slice) of a launch whose rows are split in `split`: one program per (row,
-    slice) under the interpreter, on a GPU every SM's resident programs to a multiple of `split` (`_split_grid`)."""
-    vocab, elem = logits.shape[-1], logits.element_size()
-    sms, l2_bytes = _device_caps_of(logits.device)
-    arch = _device_arch(logits.device)
-    grid = _split_grid(rows, split, elem, block_v, num_warps, sms, arch) if logits.is_cuda else rows * split
-    return grid, _split_window(vocab, elem, block_v, num_warps, split, sms, l2_bytes, arch)
+def _shares_storage(logits: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the output is (a view of) the logits' storage: the in-place gradient."""
+    return out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+
+
+def _launch_split(vocab: int, elem_bytes: int, block_v: int, num_warps: int, aligned: bool, scalar: bool, sms: int,
+                  l2_bytes: int, arch: int | None = None) -> int:  # fmt: skip
+    """SPLIT of a fused launch whose output has its own storage: `row_split()`, else `_default_split`, for rows
+    that end in an overlapping full tile (16-byte `aligned` strides, V a multiple of 16 and at least a tile:
+    `_tail_tile`), else 1 (and for `scalar` rows)."""
+    if scalar or not _ends_in_full_tile(aligned, vocab, block_v):
+        return 1
+    return row_split() or _default_split(vocab, elem_bytes, block_v, num_warps, sms, l2_bytes, arch)
+
+
+def _fused_layout(vocab: int, elem_bytes: int, scalar: bool, narrow: str, realigned: bool, aligned: bool, sms: int,
+                  l2_bytes: int, arch: int | None = None) -> tuple[int, int, int]:  # fmt: skip
+    """(BLOCK_V, num_warps, SPLIT) of a fused launch whose output has its own storage: the split plan
+    (`_split_plan`) where it applies and the rows split (`_launch_split`), else `_fused_block_config`'s, split
+    where one is forced. `_fused_plan` takes it for its launch, tests/ops/hopper_aot.py for its compiles."""
+    arch = REFERENCE_ARCH if arch is None else arch
+    wide = _split_plan(vocab, elem_bytes, sms, l2_bytes, arch)
+    if wide is not None:
+        split = _launch_split(vocab, elem_bytes, *wide, aligned, scalar, sms, l2_bytes, arch)
+        if split > 1:
+            return *wide, split
+    block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, arch)
+    return block_v, num_warps, _launch_split(vocab, elem_bytes, block_v, num_warps, aligned, scalar, sms, l2_bytes,
+                                             arch)  # fmt: skip
+
+
+def _split_launch(rows: int, split: int, logits: torch.Tensor, block_v: int, num_warps: int) -> int:
+    """The grid of a launch whose rows are split in `split`: one program per (row, slice) under the interpreter, on
+    a GPU every SM's resident programs to a multiple of `split` (`_split_grid`)."""
+    if not logits.is_cuda:
+        return rows * split
+    sms = _device_caps_of(logits.device)[0]
+    return _split_grid(rows, split, logits.element_size(), block_v, num_warps, sms, _device_arch(logits.device))
 
 
 def _split_per_sm(elem_bytes: int, block_v: int, num_warps: int, arch: int | None = None) -> int:
@@ -1560,21 +1585,24 @@ def _rotates(window: int, vocab: int, block_v: int) -> bool:
 
 
 def _fused_plan(logits: torch.Tensor, out: torch.Tensor) -> tuple[bool, int, int, int, bool, int]:
-    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles, realigned rows: the kernel's HEAD, SPLIT) of
-    `fused_token_grad`'s launch on the logits' device: the split plan (`_split_plan`) where it applies and the
-    launch splits (`_fused_split`), else `_fused_block_config`'s, split where one is forced."""
-    vocab = logits.shape[-1]
+    """(scalar rows, BLOCK_V, num_warps, pass-2 window in tiles of a row or, SPLIT > 1, of its slice, realigned
+    rows: the kernel's HEAD, SPLIT) of `fused_token_grad`'s launch on the logits' device (`_fused_layout`; the
+    in-place gradient unsplit, `_fused_split`)."""
+    vocab, elem = logits.shape[-1], logits.element_size()
     scalar = _scalar_rows(logits, out)
-    realigned = not scalar and not _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
+    aligned = _aligned(logits.stride(0), logits.stride(1), out.stride(0), out.stride(1))
+    realigned = not scalar and not aligned
     narrow = _narrow_plan(logits, "fused")
     arch = _device_arch(logits.device)
-    block_v, num_warps = _fused_block_config(vocab, scalar, narrow, realigned, arch)
-    wide = _split_plan(vocab, logits.element_size(), *_device_caps_of(logits.device), arch)
-    if wide is not None and _fused_split(logits, out, *wide, scalar) > 1:
-        block_v, num_warps = wide
-    split = _fused_split(logits, out, block_v, num_warps, scalar)
-    window = _pass2_tiles(vocab, logits.element_size(), block_v, num_warps, *_device_caps_of(logits.device), scalar,
-                          arch, realigned)  # fmt: skip
+    caps = _device_caps_of(logits.device)
+    if _shares_storage(logits, out):
+        block_v, num_warps, split = *_fused_block_config(vocab, scalar, narrow, realigned, arch), 1
+    else:
+        block_v, num_warps, split = _fused_layout(vocab, elem, scalar, narrow, realigned, aligned, *caps, arch)
+    if split > 1:
+        window = _split_window(vocab, elem, block_v, num_warps, split, *caps, arch)
+    else:
+        window = _pass2_tiles(vocab, elem, block_v, num_warps, *caps, scalar, arch, realigned)
     return scalar, block_v, num_warps, window, realigned, split
 
 
@@ -1901,7 +1929,7 @@ def fused_token_grad(
     scalar, block_v, num_warps, window, realigned, split = _fused_plan(logits, out)
     workspace, spin = None, 0
     if split > 1:
-        programs, window = _split_launch(rows, split, logits, block_v, num_warps)
+        programs = _split_launch(rows, split, logits, block_v, num_warps)
         workspace = _split_workspace(rows, split, logits.device)
         spin = SPLIT_SPIN if logits.is_cuda else INTERPRETER_SPIN
     else:

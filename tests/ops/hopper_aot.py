@@ -282,7 +282,7 @@ def _specialize(cfg: dict) -> dict:
             probe["ws_ptr"] = torch.empty(0, split, 3, dtype=torch.int64) if split > 1 else None
             probe["SPLIT"] = split
             constexprs["SPIN"] = flags.get("SPIN", module.SPLIT_SPIN if split > 1 else 0)
-        if "window" in jit.arg_names and split > 1:  # a split row's window, of its slice (`_split_launch`)
+        if "window" in jit.arg_names and split > 1:  # a split row's window, of its slice (`_fused_plan`)
             probe["window"] = module._split_window(vocab, ELEMENT_BYTES[dtype], block_v, num_warps, split,
                                                    module.REFERENCE_SMS, module.REFERENCE_L2_BYTES,
                                                    cfg.get("arch", 90))  # fmt: skip
@@ -336,25 +336,15 @@ def _specialize(cfg: dict) -> dict:
 
 
 def fused_layout(module, vocab: int, dtype: str, flags: dict, scalar: bool, cfg: dict) -> tuple[int, int, int]:
-    """(BLOCK_V, num_warps, SPLIT) of a fused-kernel config as `_fused_plan` picks them on the device the module's
-    reference figures are set to (a config's SPLIT flag is its ROW_SPLIT: `_specialize`): the split plan
-    (`_split_plan`) where it applies and the rows split, else `_fused_block_config`'s; `num_ctas` compiles (a
-    cluster per row) are not split."""
-    elem, arch = ELEMENT_BYTES[dtype], cfg.get("arch", 90)
-    block_v, num_warps = module._fused_block_config(vocab, scalar, narrow_plan(cfg["kernel"], dtype),
-                                                    bool(flags.get("HEAD")), arch)  # fmt: skip
-    caps = module.REFERENCE_SMS, module.REFERENCE_L2_BYTES
-
-    def split_of(block: int, warps: int) -> int:  # `_fused_split` on this device
-        aligned = bool(flags.get("ALIGNED"))
-        if scalar or cfg.get("num_ctas", 1) > 1 or not module._ends_in_full_tile(aligned, vocab, block):
-            return 1
-        return module.row_split() or module._default_split(vocab, elem, block, warps, *caps, arch)
-
-    wide = module._split_plan(vocab, elem, *caps, arch)
-    if wide is not None and split_of(*wide) > 1:
-        block_v, num_warps = wide
-    return block_v, num_warps, split_of(block_v, num_warps)
+    """(BLOCK_V, num_warps, SPLIT) of a fused-kernel config as `_fused_plan` picks them (`_fused_layout`, the
+    output its own tensor) on the device the module's reference figures are set to (a config's SPLIT flag is its
+    ROW_SPLIT: `_specialize`); `num_ctas` compiles (a cluster per row) are not split."""
+    arch, head = cfg.get("arch", 90), bool(flags.get("HEAD"))
+    narrow = narrow_plan(cfg["kernel"], dtype)
+    if cfg.get("num_ctas", 1) > 1:
+        return *module._fused_block_config(vocab, scalar, narrow, head, arch), 1
+    return module._fused_layout(vocab, ELEMENT_BYTES[dtype], scalar, narrow, head, bool(flags.get("ALIGNED")),
+                                module.REFERENCE_SMS, module.REFERENCE_L2_BYTES, arch)  # fmt: skip
 
 
 def _assemble(spec: dict, seen: dict) -> tuple[dict, bytes]:
