@@ -485,19 +485,20 @@ def _split_row_scan(
 
 
 @triton.jit
-def _grad_tile(b_x, v0, y, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+def _grad_tile(b_x, v0, y, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
                SLOTS: tl.constexpr, VEC: tl.constexpr, FMA_FRAME: tl.constexpr):  # fmt: skip
     """∂logits of one tile, already divided by τ: p·(gn + hn·z2) with gn = (h·ln2·c2 − g)/τ and hn = −h·ln2/τ,
     and the target's own value `b_dy` (a scalar of the row) in the target's tile only. z2 is relative to the row's
-    reference `b_rx` (`_grad_constants`, which gives log2 Σe `b_lr` and gn `b_gr` relative to it): with FMA_FRAME
+    reference `b_rx`, and p = 2^(z2 − L) with L = log2 Σe relative to it: `_grad_constants` gives gn·2^−L `b_gr` and
+    hn·2^−L `b_hr`, so that a logit's gradient is 2^z2·(b_gr + b_hr·z2), no subtraction per logit. With FMA_FRAME
     z2 = x·k2 − r, one FFMA; else z2 = (x − m)·k2."""
     b_z = tl.fma(b_x, k2, -b_rx) if FMA_FRAME else (b_x - b_rx) * k2
     if HAS_ENT:
         # Where p == 0 (z2 below -149, -inf padding) the centered term is p·(…) = 0, not 0·(−inf); NaN stays NaN.
         b_z = tl.maximum(b_z, -256.0, propagate_nan=tl.PropagateNan.ALL)
-        b_d = tl.exp2(b_z - b_lr) * (b_gr + b_hn * b_z)
+        b_d = tl.exp2(b_z) * (b_gr + b_hr * b_z)
     else:
-        b_d = tl.exp2(b_z - b_lr) * b_gr
+        b_d = tl.exp2(b_z) * b_gr
     if (y >= v0) & (y < v0 + BLOCK_V):  # the target's own tile only
         b_d = tl.where(_is_offset(y - v0, SLOTS, VEC), b_dy, b_d)
     return b_d
@@ -505,13 +506,17 @@ def _grad_tile(b_x, v0, y, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constex
 
 @triton.jit
 def _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME: tl.constexpr):
-    """(reference, log2 Σe, gn) of a row for `_grad_tile`. FMA_FRAME: relative to the fp32 reference r = m·k2; the
-    sums of pass 1 are relative to the exact m·k2 = r + δ, δ exact from one FFMA. Else the max m itself."""
-    if not FMA_FRAME:
-        return b_mx, b_log2s, b_gn
-    b_rx = b_mx * k2
-    b_dl = tl.fma(b_mx, k2, -b_rx)  # δ = m·k2 − r, exact
-    return b_rx, b_log2s + b_dl, b_gn - b_hn * b_dl
+    """(reference r, gn·2^−L, hn·2^−L) of a row for `_grad_tile`, L = log2 Σe relative to r (2^−L is at least 1/V:
+    Σe counts the max's 1). FMA_FRAME: r = m·k2 in fp32; the sums of pass 1 are relative to the exact m·k2 = r + δ,
+    δ exact from one FFMA. Else r is the max m itself."""
+    b_rx, b_lr, b_gr = b_mx, b_log2s, b_gn
+    if FMA_FRAME:
+        b_rx = b_mx * k2
+        b_dl = tl.fma(b_mx, k2, -b_rx)  # δ = m·k2 − r, exact
+        b_lr = b_log2s + b_dl
+        b_gr = b_gn - b_hn * b_dl
+    b_c = tl.exp2(-b_lr)
+    return b_rx, b_gr * b_c, b_hn * b_c
 
 
 @triton.jit
@@ -525,13 +530,13 @@ def _pass2_tile(j, first, nt, ROTATE: tl.constexpr):
 
 
 @triton.jit
-def _grad_tile_store(p_a, p_oa, o_b, v0, head, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constexpr,
+def _grad_tile_store(p_a, p_oa, o_b, v0, head, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT: tl.constexpr,
                      BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr,
                      WORDS: tl.constexpr, FMA_FRAME: tl.constexpr):  # fmt: skip
     """One full tile of pass 2 at v0: read, its gradient (`_grad_tile`), stored but for the positions before `head`
     where HEAD (`_store_tile`)."""
     b_x = _load_tile(p_a + v0, o_b, "evict_first", SLOTS, VEC, WORDS)
-    b_d = _grad_tile(b_x, v0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME)
+    b_d = _grad_tile(b_x, v0, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT, BLOCK_V, SLOTS, VEC, FMA_FRAME)
     _store_tile(p_oa + v0 + o_b, b_d.to(p_oa.dtype.element_ty), v0, head, SLOTS, VEC, HEAD)
 
 
@@ -590,7 +595,7 @@ def _row_grad_store(
         if HAS_ENT:
             b_zyc = tl.maximum(b_zy, -256.0, propagate_nan=tl.PropagateNan.ALL)
             b_dy -= tl.exp2(b_zyc - b_log2s) * (b_hs * (b_zyc - b_c2))
-        b_rx, b_lr, b_gr = _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME)
+        b_rx, b_gr, b_hr = _grad_constants(b_mx, b_log2s, b_gn, b_hn, k2, FMA_FRAME)
         if TAIL_SLOTS == 0:  # every tile pipelined, the last one overlapping: its head is not stored again
             nt = tl.cdiv(n, BLOCK_V)
             t0 = 0
@@ -601,7 +606,7 @@ def _row_grad_store(
             for j in tl.range(0, nt, num_stages=NUM_STAGES):
                 i = t0 + _pass2_tile(j, first, nt, ROTATE)
                 _grad_tile_store(
-                    p_a, p_oa, o_b, _overlapped_start(i, n, BLOCK_V), i * BLOCK_V, y_a, b_rx, b_lr, b_dy, b_gr, b_hn,
+                    p_a, p_oa, o_b, _overlapped_start(i, n, BLOCK_V), i * BLOCK_V, y_a, b_rx, b_dy, b_gr, b_hr,
                     k2, HAS_ENT, BLOCK_V, SLOTS, VEC, True, WORDS, FMA_FRAME,
                 )  # fmt: skip
         else:
@@ -613,25 +618,25 @@ def _row_grad_store(
                 for j in tl.range(0, nt, num_stages=NUM_STAGES):
                     v0 = tl.multiple_of(_pass2_tile(j, first, nt, ROTATE) * BLOCK_V, BLOCK_V)
                     _grad_tile_store(
-                        p_a, p_oa, o_b, v0, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS,
+                        p_a, p_oa, o_b, v0, shift, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT, BLOCK_V, SLOTS,
                         VEC, HEAD, WORDS, FMA_FRAME,
                     )  # fmt: skip
             else:  # this loop's form: with the index loop above, row_grad_kernel's plain path spills at 255 registers
                 for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
                     _grad_tile_store(
-                        p_a, p_oa, o_b, v0, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, BLOCK_V, SLOTS,
+                        p_a, p_oa, o_b, v0, shift, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT, BLOCK_V, SLOTS,
                         VEC, HEAD, WORDS, FMA_FRAME,
                     )  # fmt: skip
             if VECTORS:
                 _tail_grad_store(
-                    b_wt, p_oa, v_full, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                    b_wt, p_oa, v_full, n, shift, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT, TAIL_SLOTS, VEC,
                     WORDS, FMA_FRAME,
                 )  # fmt: skip
             else:
                 for c0 in tl.range(v_full, n, CHUNK, num_stages=1):
                     b_wt = _load_tail(p_a + c0, n - c0, "evict_first", TAIL_SLOTS, VEC, WORDS, VECTORS)
                     _tail_grad_store(
-                        b_wt, p_oa, c0, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS, VEC,
+                        b_wt, p_oa, c0, n, shift, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT, TAIL_SLOTS, VEC,
                         WORDS, FMA_FRAME,
                     )  # fmt: skip
     else:
@@ -657,13 +662,13 @@ def _row_grad_store(
 
 @triton.jit
 def _tail_grad_store(
-    b_wt, p_oa, c0, n, shift, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT: tl.constexpr,
+    b_wt, p_oa, c0, n, shift, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT: tl.constexpr,
     TAIL_SLOTS: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr,
 ):  # fmt: skip
     """The gradient of a tail tile at c0 (as `_load_tail` loaded it), stored up to the row's end n, and not over
     a HEAD row's head [0, shift)."""
     b_d = _grad_tile(
-        _widen(b_wt, TAIL_SLOTS, VEC, WORDS), c0, y_a, b_rx, b_lr, b_dy, b_gr, b_hn, k2, HAS_ENT, TAIL_SLOTS * VEC,
+        _widen(b_wt, TAIL_SLOTS, VEC, WORDS), c0, y_a, b_rx, b_dy, b_gr, b_hr, k2, HAS_ENT, TAIL_SLOTS * VEC,
         TAIL_SLOTS, VEC, FMA_FRAME,
     )  # fmt: skip
     m_t = _is_before(n - c0, TAIL_SLOTS, VEC) & ~_is_before(shift - c0, TAIL_SLOTS, VEC)
@@ -1382,9 +1387,10 @@ MIN_SLICE_TILES = 4
 # section 4).
 SPLIT_BLOCK_CONFIG = {2: (8192, 8), 4: (4096, 8)}  # element bytes: (BLOCK_V, num_warps)
 SPLIT_PROGRAMS_PER_SM = 2
-# The one-program plan's pass-2 miss share above which the split plan is the default: below it (bf16 at V =
-# 128256-129280 on an H200, 7-8 %), its DRAM bound is higher than the split plan's issue bound over 16-bit logits.
-SPLIT_PLAN_MISS = 0.1
+# The one-program plan's pass-2 miss share above which the split plan is the default: below it that plan's DRAM
+# bound (at least 4.3 / 1.025 = 4.2 TB/s) is about the split plan's issue bound over 16-bit logits (4.2-4.3 at V =
+# 128256-129280, whose one-program rows miss 7-8 % on an H200 and 23 % on an H100).
+SPLIT_PLAN_MISS = 0.05
 # Polls for a slice another program of the row has not published yet, before a program scans it itself. A poll is
 # an L2 round trip (about 0.5-1 µs under load), so on a GPU 64 of them wait some 30-60 µs: several times a slice's
 # own scan (6 µs for a third of an fp32 row of 151936 at the copy rate) and far more than a resident partner lags
