@@ -26,8 +26,9 @@ VOCABS = (
     4096,  # (4096, 8): one tile
     16000,  # (4096, 8): 4 tiles, the last one partial
     32000,  # (8192, 8): Llama-2, 4 tiles; (4096, 4) for 16-bit statistics and fused rows, 8 tiles
-    151936,  # (8192, 16): Qwen2.5/3, 19 tiles; (8192, 8) for 16-bit statistics, (16384, 16) for 16-bit fused rows
-    262144,  # (8192, 16): Gemma-3, 32 tiles (deeper pipeline in the fused kernel)
+    151936,  # (8192, 16): Qwen2.5/3, 19 tiles; (8192, 8) for 16-bit statistics; the fused kernel's split plan,
+    # (4096, 8) fp32 and (8192, 8) 16-bit, each row split in 7 or 4 (`_split_plan`)
+    262144,  # (8192, 16): Gemma-3, 32 tiles; the fused kernel's split plan, each row split in 11 or 6
 )
 DTYPES = ("fp32", "bf16", "fp16")
 # fp16 runs bf16's plan at every V (the 16-bit rows); its own compile differs only in the conversion of a loaded
