@@ -56,6 +56,13 @@ _TILE_HEURISTICS = {
 }
 
 
+def _group(args: dict) -> int:
+    """GROUP of a scan (`_scan_tile`): the slots of a tile one thread holds (SLOTS over the program's threads; at
+    least 1), which its running statistics combine, so that each tile rescales one accumulator per thread."""
+    slots = _tile_shape(args["BLOCK_V"], args["x_ptr"].element_size())[0]
+    return max(1, slots // (32 * args.get("num_warps", 4)))
+
+
 def _tail_tile(args: dict) -> bool:
     """Rows that end in a full tile overlapping the one before (TAIL_SLOTS = 0): ALIGNED rows of V >= BLOCK_V,
     V a multiple of 16, so that the last tile [V − BLOCK_V, V) is made of 16-byte vectors too. Their every tile,
@@ -211,10 +218,13 @@ def _is_before(o, SLOTS: tl.constexpr, VEC: tl.constexpr):
 def _scan_tile(
     b_x, v0, y, shift, b_m, b_r, b_s, b_t, k2,
     BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr, HEAD: tl.constexpr, FMA_FRAME: tl.constexpr,
+    GROUP: tl.constexpr = 1,
 ):  # fmt: skip
-    """Fold one tile of fp32 logits [SLOTS, VEC] into the per-slot online (max m, reference r, Σe, Σe·z2).
-    FMA_FRAME (`_fma_frame`): the sums are relative to the slot's reference r = m·k2 rounded to fp32 (log2 units,
-    `b_r`: 0 while the slot has seen only −inf, −inf before its first tile), so that z2 = x·k2 − r is one FFMA per
+    """Fold one tile of fp32 logits [SLOTS, VEC] into the online (max m, reference r, Σe, Σe·z2) of its
+    SLOTS / GROUP accumulators: accumulator j takes slots j, j + SLOTS / GROUP, ... (`_group`: a thread's own slots,
+    so that a tile rescales one accumulator per thread, not one per slot).
+    FMA_FRAME (`_fma_frame`): the sums are relative to the accumulator's reference r = m·k2 rounded to fp32 (log2
+    units, `b_r`: 0 while it has seen only −inf, −inf before its first tile), so that z2 = x·k2 − r is one FFMA per
     logit, rounded once. The old sums move to a new reference by 2^(r_old − r_new): r comes out of a select, never
     a product, so no contraction (an FFMA that skips the product's rounding) can reach it, even across an unrolled
     trip, and both sides of the rescale use the same fp32 reference. Otherwise
@@ -227,26 +237,27 @@ def _scan_tile(
             b_x = tl.where(_is_before(shift - v0, SLOTS, VEC), float("-inf"), b_x)
     if (y >= v0) & (y < v0 + BLOCK_V):  # the target's own tile only: its logit is left out of the sums
         b_x = tl.where(_is_offset(y - v0, SLOTS, VEC), float("-inf"), b_x)
-    b_mn = tl.maximum(b_m, tl.max(b_x, 1))  # [SLOTS]
-    # How far the slot's old sums sink under its new reference; clamped so that a slot with empty sums (old
-    # reference -inf) gets α = 0 and 0·d, never 0·(-inf). A slot that has seen only -inf has no scale yet (0).
+    b_x = tl.reshape(b_x, [GROUP, SLOTS // GROUP, VEC])  # the slots of each accumulator: a thread's own (a view)
+    b_mn = tl.maximum(b_m, tl.max(tl.max(b_x, 2), 0))  # [SLOTS // GROUP]
+    # How far the accumulator's old sums sink under its new reference; clamped so that an accumulator with empty
+    # sums (old reference -inf) gets α = 0 and 0·d, never 0·(-inf). One that has seen only -inf has no scale yet (0).
     if FMA_FRAME:
         b_ref = b_mn * k2
         b_ref = tl.where(b_ref == float("-inf"), 0.0, b_ref)  # a select: what is carried is never a product
-        b_d = tl.minimum(tl.maximum(b_r - b_ref, -256.0), 0.0)  # <= 0 but from an empty slot's reference 0
-        b_z = tl.fma(b_x, k2, -b_ref[:, None])
+        b_d = tl.minimum(tl.maximum(b_r - b_ref, -256.0), 0.0)  # <= 0 but from an empty one's reference 0
+        b_z = tl.fma(b_x, k2, -b_ref[None, :, None])
         b_rn = b_ref
-    else:  # (x − m)·k2, relative to the slot's max itself
+    else:  # (x − m)·k2, relative to the accumulator's max itself
         b_rn = b_r
         b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)
         b_d = tl.maximum((b_m - b_ref) * k2, -256.0)
-        b_z = (b_x - b_ref[:, None]) * k2
+        b_z = (b_x - b_ref[None, :, None]) * k2
     b_a = tl.exp2(b_d)
     b_t = b_a * (b_t + b_d * b_s)  # Σ α e (z2 + d) = α (t + d·s)
     b_z = tl.maximum(b_z, -256.0, propagate_nan=tl.PropagateNan.ALL)
     b_e = tl.exp2(b_z)
-    b_s = b_a * b_s + tl.sum(b_e, 1)  # a NaN logit reaches the sums here and propagates
-    b_t = b_t + tl.sum(b_e * b_z, 1)
+    b_s = b_a * b_s + tl.sum(tl.sum(b_e, 2), 0)  # a NaN logit reaches the sums here and propagates
+    b_t = b_t + tl.sum(tl.sum(b_e * b_z, 2), 0)
     return b_mn, b_rn, b_s, b_t
 
 
@@ -283,6 +294,7 @@ def _row_scan(
     WORDS: tl.constexpr,
     TARGET_FIRST: tl.constexpr,
     FMA_FRAME: tl.constexpr,
+    GROUP: tl.constexpr = 1,
 ):
     """Pass 1 over one row. Returns (m, log2 Σe, z2_y, q, c2, so, x_y) with z2 = (x − m)·log2(e)/τ (log2 units,
     <= 0), e = 2^z2, q = 1 − p_y = Σ_{v≠y} e / Σe, c2 = Σ p·z2 (= Σ p z' / ln 2), so = Σ_{v≠y} e (`_exact_logp`)
@@ -295,10 +307,10 @@ def _row_scan(
     o_b = _tile_offsets(SLOTS, VEC)
     if TARGET_FIRST:  # the id is in registers already: the target's load waits behind the scan, not in front of it
         x_y = tl.load(p_a + y_a).to(tl.float32)
-    b_m = tl.full([SLOTS], float("-inf"), tl.float32)
-    b_r = tl.full([SLOTS], float("-inf"), tl.float32)  # the slot's reference m·k2 (`_scan_tile`)
-    b_s = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e of the slot, relative to its reference
-    b_t = tl.zeros([SLOTS], tl.float32)  # Σ_{v≠y} e·z2 of the slot
+    b_m = tl.full([SLOTS // GROUP], float("-inf"), tl.float32)  # the full tiles' accumulators (`_scan_tile`)
+    b_r = tl.full([SLOTS // GROUP], float("-inf"), tl.float32)  # the accumulator's reference m·k2
+    b_s = tl.zeros([SLOTS // GROUP], tl.float32)  # Σ_{v≠y} e of the accumulator, relative to its reference
+    b_t = tl.zeros([SLOTS // GROUP], tl.float32)  # Σ_{v≠y} e·z2 of the accumulator
     # NUM_STAGES − 1 tiles in flight (cp.async into shared memory) while one is reduced: see _pipeline.
     if TAIL_SLOTS == 0:
         # Every tile in the pipelined loop: the last one is [n − BLOCK_V, n), and drops the logits the tile before
@@ -307,7 +319,7 @@ def _row_scan(
             v0 = _overlapped_start(i, n, BLOCK_V)
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
             b_m, b_r, b_s, b_t = _scan_tile(
-                b_x, v0, y_a, i * BLOCK_V, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True, FMA_FRAME
+                b_x, v0, y_a, i * BLOCK_V, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True, FMA_FRAME, GROUP
             )
     else:
         # A HEAD row's first tile reads the `shift` logits before the row unmasked (they are in the tensor: base >=
@@ -320,7 +332,7 @@ def _row_scan(
         for v0 in tl.range(0, v_full, BLOCK_V, num_stages=NUM_STAGES):
             b_x = _load_tile(p_a + v0, o_b, EVICT, SLOTS, VEC, WORDS)
             b_m, b_r, b_s, b_t = _scan_tile(
-                b_x, v0, y_a, shift, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD, FMA_FRAME
+                b_x, v0, y_a, shift, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, HEAD, FMA_FRAME, GROUP
             )
         # into accumulators of the tail tile's own shape (TAIL_SLOTS slots), combined with the others below
         b_mc = tl.full([TAIL_SLOTS], float("-inf"), tl.float32)
@@ -379,21 +391,21 @@ def _with_target(b_mx, b_so, b_to, x_y, k2):
 @triton.jit
 def _slice_scan(
     p_a, y_a, n, t0, t1, k2, BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 over tiles [t0, t1) of a row that ends in an overlapping full tile (`_tail_tile`), as `_row_scan`
     scans them: (max m_q of the slice's logits but the target, Σ_{v≠y} e and Σ_{v≠y} e·z2 relative to m_q). A
     slice with no logit but −inf (or none at all) gives (−inf, 0, 0)."""
     o_b = _tile_offsets(SLOTS, VEC)
-    b_m = tl.full([SLOTS], float("-inf"), tl.float32)
-    b_r = tl.full([SLOTS], float("-inf"), tl.float32)
-    b_s = tl.zeros([SLOTS], tl.float32)
-    b_t = tl.zeros([SLOTS], tl.float32)
+    b_m = tl.full([SLOTS // GROUP], float("-inf"), tl.float32)
+    b_r = tl.full([SLOTS // GROUP], float("-inf"), tl.float32)
+    b_s = tl.zeros([SLOTS // GROUP], tl.float32)
+    b_t = tl.zeros([SLOTS // GROUP], tl.float32)
     for i in tl.range(t0, t1, num_stages=NUM_STAGES):
         v0 = _overlapped_start(i, n, BLOCK_V)
         b_x = _load_tile(p_a + v0, o_b, "evict_last", SLOTS, VEC, WORDS)
         b_m, b_r, b_s, b_t = _scan_tile(
-            b_x, v0, y_a, i * BLOCK_V, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True, FMA_FRAME
+            b_x, v0, y_a, i * BLOCK_V, b_m, b_r, b_s, b_t, k2, BLOCK_V, SLOTS, VEC, True, FMA_FRAME, GROUP
         )
     b_mq = tl.max(b_m, 0)
     b_ref = tl.where(b_mq == float("-inf"), 0.0, b_mq)
@@ -419,7 +431,7 @@ def _unstamp(w):
 def _split_row_scan(
     p_a, y_a, n, ws, part, k2, BLOCK_V: tl.constexpr, SLOTS: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, WORDS: tl.constexpr, FMA_FRAME: tl.constexpr, SPLIT: tl.constexpr,
-    SPIN: tl.constexpr,
+    SPIN: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """`_row_scan` (TAIL_SLOTS = 0 rows) for one of the SPLIT programs that share a row, `part` of them: it scans
     its own slice of the row's tiles (`_slice_scan`) and publishes the slice's (m_q, Σe, Σe·z2) at `ws` (3 int64
@@ -440,7 +452,7 @@ def _split_row_scan(
     while q >= 0:  # its own slice, then those nobody published (none, when the programs are resident together)
         b_mq, b_sq, b_tq = _slice_scan(
             p_a, y_a, n, q * nt // SPLIT, (q + 1) * nt // SPLIT, k2, BLOCK_V, SLOTS, VEC, NUM_STAGES, WORDS,
-            FMA_FRAME,
+            FMA_FRAME, GROUP,
         )  # fmt: skip
         # relaxed atomic stores (strong, as the other programs' polls; no order among them) of a 4-word block, one
         # thread per word, where a scalar atomic would be issued by every thread
@@ -742,6 +754,7 @@ def _row_index(i_r, T):
         "HEAD": lambda a: _realigns(a, "x_ptr"),
         "WORDS": _words,
         **_TILE_HEURISTICS,
+        "GROUP": _group,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
     }
@@ -772,6 +785,7 @@ def row_stats_fwd_kernel(
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
     FMA_FRAME: tl.constexpr,
+    GROUP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -802,6 +816,7 @@ def row_stats_fwd_kernel(
             WORDS,
             False,
             FMA_FRAME,
+            GROUP,
         )  # read once
         tl.store(logp_ptr + i_row, _exact_logp(x_y, b_mx, b_so, inv_tau, inv_tau_lo))  # fp64
         tl.store(ent_ptr + i_row, (b_log2s - b_c2) * LN2)
@@ -905,6 +920,7 @@ def row_grad_kernel(
         "HEAD": lambda a: _realigns(a, "x_ptr"),
         "WORDS": _words,
         **_TILE_HEURISTICS,
+        "GROUP": _group,
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=False)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=False)[1],
     }
@@ -932,6 +948,7 @@ def shard_partials_fwd_kernel(
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
     FMA_FRAME: tl.constexpr,
+    GROUP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), N, tl.num_programs(0)):  # persistent: rows i, i + grid, ...
@@ -966,6 +983,7 @@ def shard_partials_fwd_kernel(
             WORDS,
             False,
             FMA_FRAME,
+            GROUP,
         )  # read once
         b_s = tl.exp2(b_log2s)
         b_live = b_s > 0  # False for an all −inf shard row (padded vocabulary): it must add nothing to the merge
@@ -1074,6 +1092,9 @@ def _token_coef(
         "HEAD": lambda a: _realigns(a, "x_ptr", "out_ptr"),
         "WORDS": _words,
         **_TILE_HEURISTICS,
+        # realigned rows keep one accumulator per slot: grouped, Triton 3.9's ptxas spills the 8-warp plan of V =
+        # 50257 (its tail tile held across the loop) at its 128 registers
+        "GROUP": lambda a: 1 if a["HEAD"] else _group(a),
         "SPLIT": lambda a: 1 if a["ws_ptr"] is None else a["ws_ptr"].shape[1],  # the launcher's (`_fused_split`)
         "NUM_STAGES": lambda a: _launch_plan(a, two_pass=True)[0],
         "maxnreg": lambda a: _launch_plan(a, two_pass=True)[1],
@@ -1148,6 +1169,7 @@ def fused_token_grad_fwd_kernel(
     TAIL_SLOTS: tl.constexpr,
     VECTORS: tl.constexpr,
     FMA_FRAME: tl.constexpr,
+    GROUP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     ROTATE: tl.constexpr,
     SPLIT: tl.constexpr = 1,  # programs per row (`row_split`): each scans and writes a slice of the row's tiles
@@ -1199,7 +1221,7 @@ def fused_token_grad_fwd_kernel(
         if SPLIT > 1:
             b_mx, b_log2s, b_zy, b_q, b_c2, _, x_y = _split_row_scan(
                 x_ptr + o_a, y + shift, V + shift, ws_ptr + i_row * (3 * SPLIT), part, k2, BLOCK_V, SLOTS, VEC,
-                NUM_STAGES, WORDS, FMA_FRAME, SPLIT, SPIN,
+                NUM_STAGES, WORDS, FMA_FRAME, SPLIT, SPIN, GROUP,
             )  # fmt: skip
         else:
             b_mx, b_log2s, b_zy, b_q, b_c2, _, x_y = _row_scan(
@@ -1219,6 +1241,7 @@ def fused_token_grad_fwd_kernel(
                 WORDS,
                 VECTORS,  # TARGET_FIRST (the scalar rows' plan has no register to spare across the scan)
                 FMA_FRAME,
+                GROUP,
             )  # pass 2 re-reads the row from L2
         b_lp = _exact_logp_from_log2s(x_y, b_mx, b_log2s, inv_tau, inv_tau_lo)  # fp64
         if part == 0:  # every program of the row has the same ℓ and H: one stores them
@@ -1358,8 +1381,9 @@ ISSUE_MARGIN = 1.25  # instruction issue is planned at 80 % efficiency
 # Floor bytes per second (logits read + gradient written) that one busy SM's instruction issue allows the fused
 # kernel, by element size: 4 warp instructions per cycle at 1.98 GHz over the SASS instructions per row of the
 # sm_90a compile, in the L2-sized grid's plan, the one it decides on (its deeper pipeline costs a few more
-# instructions per tile); tests/ops/test_performance_model.py holds these to every compiled plan within 20 %.
-FUSED_ISSUE_BYTES_PER_SM = {2: 47e9, 4: 85e9}
+# instructions per tile); tests/ops/test_performance_model.py holds these to every compiled plan within 20 % (the
+# 16-bit figure rose from 47 with the grouped accumulators of `_scan_tile` and pass 2's folded constants).
+FUSED_ISSUE_BYTES_PER_SM = {2: 51e9, 4: 85e9}
 L2_GRID_IDLE = 0.05  # the most of the SMs the default fused grid leaves idle to keep pass 2 in L2
 FUSED_GRID: str | None = None  # "sms" or "l2" forces a grid (a GPU can time both); None: the variable, else default
 FUSED_GRID_VARIABLE = "GRPO_KERNELS_FUSED_GRID"

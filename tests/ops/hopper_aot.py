@@ -330,7 +330,7 @@ def _specialize(cfg: dict) -> dict:
         options["num_ctas"] = cfg["num_ctas"]
     plan = {"block_v": block_v, "num_warps": num_warps, "num_stages": constexprs.get("NUM_STAGES", 1),
             "tail_slots": constexprs.get("TAIL_SLOTS"), "maxnreg": options.get("maxnreg"),
-            "split": constexprs.get("SPLIT", 1)}  # fmt: skip
+            "split": constexprs.get("SPLIT", 1), "group": constexprs.get("GROUP", 1)}  # fmt: skip
     return {"jit": jit, "signature": signature, "constexprs": constexprs, "attrs": attrs, "options": options,
             "arch": cfg.get("arch", 90), "plan": plan, "name": f"{cfg['module']}.{cfg['kernel']}"}  # fmt: skip
 

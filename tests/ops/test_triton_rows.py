@@ -611,6 +611,32 @@ def test_16bit_plan_rows(vocab):
     run_fused(x, ids, cfg, token_inputs(1, 2, gen))
 
 
+@pytest.mark.parametrize("vocab", [16400, 16401])  # aligned (overlapping last tile) and realigned (masked tail)
+def test_grouped_accumulators_fp32(vocab):
+    """fp32 rows in tiles of 8192 over 8 warps: 2048 slots over 256 threads, so each thread's running statistics
+    combine its 8 slots (`_group`: GROUP 8; the 16-bit plans, GROUP 4: `test_16bit_plan_rows`), against the oracle
+    and the torch partials, for the statistics, shard-partials and fused kernels; the row's max in its last tile."""
+    assert triton_logits._block_config(vocab) == (8192, 8)
+    x = torch.empty(0, dtype=torch.float32)
+    assert triton_logits._group({"BLOCK_V": 8192, "x_ptr": x, "num_warps": 8}) == 8
+    assert triton_logits._group({"BLOCK_V": 32, "x_ptr": x, "num_warps": 1}) == 1  # fewer slots than threads
+    gen = torch.Generator().manual_seed(vocab)
+    values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
+    values[0, 1, -5:] += 40.0
+    x = make_logits(values, torch.float32, "contiguous")
+    ids = torch.tensor([[vocab - 1, 8200]], device=DEVICE)
+    exact_lp, exact_h, _ = exact_rows(x, ids, 0.8)
+    logp, entropy, state = triton_logits.row_stats(x, ids, 0.8)
+    check_stats("logp", logp, exact_lp, torch.float32)
+    check_stats("entropy", entropy, exact_h, torch.float32)
+    check_state(state, logp, entropy, x, 0.8)
+    got = triton_logits.shard_partials(x, ids, 0, 0.8)
+    want = torch_rows.shard_partials(x.double(), ids, 0, 0.8)
+    torch.testing.assert_close(got.double(), want, rtol=SHARD_PARTIALS_RTOL, atol=0.0)
+    cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
+    run_fused(x, ids, cfg, token_inputs(1, 2, gen))
+
+
 @pytest.mark.parametrize(("arch", "plans"), [(90, ((8192, 8), (8192, 8))), (100, ((4096, 4), (8192, 8)))])
 def test_fused_plan_per_arch(arch, plans, monkeypatch):
     """The fused launcher's plan at V = 50257 (realigned rows) and 50304 (aligned) for the device it launches on:
