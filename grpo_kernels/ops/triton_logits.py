@@ -1412,8 +1412,9 @@ MIN_SLICE_TILES = 4
 SPLIT_BLOCK_CONFIG = {2: (8192, 8), 4: (4096, 8)}  # element bytes: (BLOCK_V, num_warps)
 SPLIT_PROGRAMS_PER_SM = 2
 # The one-program plan's pass-2 miss share above which the split plan is the default: below it that plan's DRAM
-# bound (at least 4.3 / 1.025 = 4.2 TB/s) is about the split plan's issue bound over 16-bit logits (4.2-4.3 at V =
-# 128256-129280, whose one-program rows miss 7-8 % on an H200 and 23 % on an H100).
+# bound (at least 4.3 / 1.025 = 4.2 TB/s) is within a few percent of the split plan's issue bound over 16-bit
+# logits (4.36-4.54 TB/s at V = 128256-152064), which a split's exchange and per-slice code then need not buy. The
+# listed vocabularies miss more (bf16 128256-129280: 7-8 % on an H200, 23 % on an H100).
 SPLIT_PLAN_MISS = 0.05
 # Polls for a slice another program of the row has not published yet, before a program scans it itself. A poll is
 # an L2 round trip (about 0.5-1 µs under load), so on a GPU 64 of them wait some 30-60 µs: several times a slice's
