@@ -594,15 +594,21 @@ def test_16bit_plan_rows(vocab):
     assert triton_logits._block_config(vocab, False, "") == (8192, 8)
     assert triton_logits._block_config(151936, False, "scan") == (8192, 8)
     assert triton_logits._block_config(151936, False, "fused") == (16384, 16)
+    check_scans_and_fused(vocab, torch.bfloat16, "time_slice", [5, vocab - 3])
+
+
+def check_scans_and_fused(vocab: int, dtype: torch.dtype, layout: str, targets: list[int]) -> None:
+    """Two seeded rows (the second's max in its last tile) through the statistics, shard-partials and fused
+    kernels, against the oracle and the torch partials."""
     gen = torch.Generator().manual_seed(vocab)
     values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
     values[0, 1, -5:] += 40.0  # the row's max in the last tile
-    x = make_logits(values, torch.bfloat16, "time_slice")
-    ids = torch.tensor([[5, vocab - 3]], device=DEVICE)
+    x = make_logits(values, dtype, layout)
+    ids = torch.tensor([targets], device=DEVICE)
     exact_lp, exact_h, _ = exact_rows(x, ids, 0.8)
     logp, entropy, state = triton_logits.row_stats(x, ids, 0.8)
-    check_stats("logp", logp, exact_lp, torch.bfloat16)
-    check_stats("entropy", entropy, exact_h, torch.bfloat16)
+    check_stats("logp", logp, exact_lp, dtype)
+    check_stats("entropy", entropy, exact_h, dtype)
     check_state(state, logp, entropy, x, 0.8)
     got = triton_logits.shard_partials(x, ids, 0, 0.8)
     want = torch_rows.shard_partials(x.double(), ids, 0, 0.8)
@@ -620,21 +626,7 @@ def test_grouped_accumulators_fp32(vocab):
     x = torch.empty(0, dtype=torch.float32)
     assert triton_logits._group({"BLOCK_V": 8192, "x_ptr": x, "num_warps": 8}) == 8
     assert triton_logits._group({"BLOCK_V": 32, "x_ptr": x, "num_warps": 1}) == 1  # fewer slots than threads
-    gen = torch.Generator().manual_seed(vocab)
-    values = 3 * torch.randn(1, 2, vocab, generator=gen, dtype=torch.float64)
-    values[0, 1, -5:] += 40.0
-    x = make_logits(values, torch.float32, "contiguous")
-    ids = torch.tensor([[vocab - 1, 8200]], device=DEVICE)
-    exact_lp, exact_h, _ = exact_rows(x, ids, 0.8)
-    logp, entropy, state = triton_logits.row_stats(x, ids, 0.8)
-    check_stats("logp", logp, exact_lp, torch.float32)
-    check_stats("entropy", entropy, exact_h, torch.float32)
-    check_state(state, logp, entropy, x, 0.8)
-    got = triton_logits.shard_partials(x, ids, 0, 0.8)
-    want = torch_rows.shard_partials(x.double(), ids, 0, 0.8)
-    torch.testing.assert_close(got.double(), want, rtol=SHARD_PARTIALS_RTOL, atol=0.0)
-    cfg = LossConfig(loss_type="grpo", temperature=0.8, beta=0.04, entropy_coef=0.01)
-    run_fused(x, ids, cfg, token_inputs(1, 2, gen))
+    check_scans_and_fused(vocab, torch.float32, "contiguous", [vocab - 1, 8200])
 
 
 @pytest.mark.parametrize(("arch", "plans"), [(90, ((8192, 8), (8192, 8))), (100, ((4096, 4), (8192, 8)))])
