@@ -440,6 +440,7 @@ def _split_row_scan(
     after the other) it scans itself, one by one, and publishes too: the same code on the same tiles gives the same
     bits, so the row's statistics do not depend on who computed what, and every program of the row combines the
     slices in one order, so all of them store the same gradient and none waits on a program that cannot run."""
+    x_y = tl.load(p_a + y_a).to(tl.float32)  # first, as `_row_scan`'s TARGET_FIRST: awaited after the exchange
     nt = tl.cdiv(n, BLOCK_V)
     SP2: tl.constexpr = triton.next_power_of_2(SPLIT)
     o_q = tl.arange(0, SP2)
@@ -484,7 +485,6 @@ def _split_row_scan(
             polled = part >= 0
         q = tl.min(tl.where(b_done, SP2, o_q), 0)
         q = tl.where(q < SP2, q, -1)
-    x_y = tl.load(p_a + y_a).to(tl.float32)
     # The slices combined as `_row_scan` combines its slots (one order in every program of the row)
     b_mr = tl.maximum(tl.max(b_pm, 0), x_y)
     b_mx = tl.where(b_mr == float("-inf"), 0.0, b_mr)

@@ -6,7 +6,8 @@ with the assembler and flags of the Triton under test and reads registers and sp
 spill stores or loads, and 16-byte vector loads where the rows are aligned. `pytest -s` shows the table.
 
 Triton versions: the environment's, plus each folder named in GRPO_KERNELS_TRITON_SITES (os.pathsep-separated
-`pip install --target` folders; `.ci/run` installs the oldest supported Triton there, 3.5, and 3.6).
+`pip install --target` folders; `.ci/run` installs the oldest supported Triton there, 3.5, and 3.6), which compile
+the plans of V >= 32000 and the flag combinations (`SITE_VOCABS`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ DTYPES = ("fp32", "bf16", "fp16")
 # fp16 runs bf16's plan at every V (the 16-bit rows); its own compile differs only in the conversion of a loaded
 # element, so it is compiled where the 16-bit plans differ from fp32's, V >= 32000 (bf16 covers every row).
 FP16_VOCABS = tuple(v for v in VOCABS if v >= 32000)
+# An older Triton (a GRPO_KERNELS_TRITON_SITES folder) compiles the vocabularies models ship with, V >= 32000, and the
+# flag combinations; the small-V rows and the fused-linear folds are compiled on the environment's (newest) Triton.
+SITE_VOCABS = FP16_VOCABS
 
 
 def triton_sites() -> list[str | None]:
@@ -46,8 +50,11 @@ def site_id(site: str | None) -> str:
     return "env" if site is None else os.path.basename(os.path.normpath(site))
 
 
-def _configs() -> list[dict]:
-    pairs = [(vocab, dtype) for vocab in VOCABS for dtype in DTYPES if dtype != "fp16" or vocab in FP16_VOCABS]
+def _configs(site: str | None = None) -> list[dict]:
+    """Every config on the environment's Triton; on an older one (`site`), those of SITE_VOCABS and the flag
+    combinations."""
+    vocabs = VOCABS if site is None else SITE_VOCABS
+    pairs = [(vocab, dtype) for vocab in vocabs for dtype in DTYPES if dtype != "fp16" or vocab in FP16_VOCABS]
     out = [cfg for vocab, dtype in pairs for cfg in hopper_aot.main_configs(vocab, dtype)]
     # The remaining flag combinations at the production shape (bf16, V = 151936), plus the unaligned variants.
     vocab, dtype = 151936, "bf16"
@@ -67,6 +74,8 @@ def _configs() -> list[dict]:
     # tightest fit under its 128-register cap.
     plain = {"LOSS": 0, "ALIGNED": False, "HEAD": True, **dict.fromkeys(FUSED_FLAGS, False)}
     out.append(config("fused clip plain 8 warps", "fused_token_grad_fwd_kernel", dtype, 50257, plain))
+    if site is not None:
+        return out
     # The fused-linear folds (ops/linear_folds_triton.py): fp32 logits tiles, the gradient in the GEMM dtype.
     for width in (200, 4096):
         out.append(config("linear stats", "linear_stats_fwd_kernel", "fp32", width, {}, "linear_folds_triton"))
@@ -114,7 +123,7 @@ def test_hopper_compile_registers_and_spills(site, aot_cache):
     specializations test_performance_model.py compiles too (same Triton, kernel, launch plan and flags) come from
     the run's compile cache (`aot_cache`) when it has compiled them first, and the other way round."""
     _require_aot(site)
-    configs = _configs()
+    configs = _configs(site)
     rows = hopper_aot.compile_rows(configs, site, cache=aot_cache)
     print_table(rows)
     assert len(rows) == len(configs)

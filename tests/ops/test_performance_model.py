@@ -343,39 +343,13 @@ def print_model(rows: list[dict]) -> None:
 
 
 # The target, per kernel and shape: min(issue, MUFU, ALU, latency, DRAM) of the full row model at least the copy
-# rate, on each device and Triton. The shapes that still miss it are listed here, with the figure the model printed
-# (TB/s; None: that column meets the target) and what binds. Each listed column is asserted to be still below the
-# target, so that the list shrinks when a kernel improves; every shape not listed must meet it.
-# What binds (docs/performance.md, section 4): the split plan's rows (`_split_plan`: V > 65536, two 8-warp
-# programs per SM, each row split so that its rows in flight fit L2) hide most of their waits behind the SM's other
-# program and miss nothing in pass 2; on Triton 3.6's H100 at bf16 151936-152064 (slices of 5 tiles) the waits
-# each slice repeats (pass starts, the exchange, reductions) still bind, by 1 % ("latency": 4.26 TB/s).
-MISS_COLUMNS = (("3.9", "H100"), ("3.9", "H200"), ("3.6", "H100"), ("3.6", "H200"))
-MISSES: dict[tuple[str, str, int], tuple[tuple[float | None, ...], str]] = {
-    # (kernel, dtype, V): ((3.9 H100, 3.9 H200, 3.6 H100, 3.6 H200), bound)
-    ("fused clip all", "bf16", 151936): ((None, None, 4.26, None), "latency"),
-    ("fused clip all", "bf16", 152064): ((None, None, 4.26, None), "latency"),
-}
-
-
-def _misses(model: list[dict]) -> tuple[list, list]:
-    """(shapes below the target that MISSES does not list, listed columns at or above it), in the launcher's
-    default plans. A Triton other than 3.6 and 3.9 is held to 3.9's columns."""
-    below, above = [], []
-    for m in model:
-        if m["grid_mode"] != "default":
-            continue
-        version = ".".join(m["triton"].split(".")[:2])
-        column = (version, m["device"]) if (version, m["device"]) in MISS_COLUMNS else ("3.9", m["device"])
-        listed = MISSES.get((m["label"], m["dtype"], m["vocab"]), ((None,) * 4, ""))[0][MISS_COLUMNS.index(column)]
-        figure = (m["triton"], m["device"], m["label"], m["dtype"], m["vocab"], round(m["full_min"] / 1e12, 2),
-                  m["binding"])  # fmt: skip
-        meets = m["full_min"] >= COPY_BANDWIDTH * (1 - 1e-9)
-        if listed is not None and meets:
-            above.append(figure)
-        elif listed is None and not meets:
-            below.append(figure)
-    return below, above
+# rate, on each device and Triton (docs/performance.md, section 4). The split plan's rows (`_split_plan`: V > 65536,
+# two 8-warp programs per SM, each row split so that its rows in flight fit L2) hide most of the waits each slice
+# repeats (pass starts, reductions, the exchange) behind the SM's other program, and miss nothing in pass 2.
+def _below(model: list[dict]) -> list[tuple]:
+    """The shapes of the launcher's default plans whose full model is below the copy rate."""
+    return [(m["triton"], m["device"], m["label"], m["dtype"], m["vocab"], round(m["full_min"] / 1e12, 2), m["binding"])
+            for m in model if m["grid_mode"] == "default" and m["full_min"] < COPY_BANDWIDTH * (1 - 1e-9)]  # fmt: skip
 
 
 @pytest.mark.slow  # the first test of `model`: it computes the model, so it starts first
@@ -383,45 +357,9 @@ def test_every_row_meets_the_copy_rate(model):
     """Everything a row costs (tests/ops/sass_model.py: every SASS instruction of the row at its trips, the pipe
     bounds, the timeline of waits, the resident CTAs' overlap, pass 2's L2 misses), at the pessimistic end of the
     assumptions: min(issue, MUFU, ALU, latency, DRAM) >= the copy rate, for every kernel, dtype, vocabulary and
-    device, except the shapes listed in MISSES, which must still be below it."""
-    below, above = _misses(model)
-    assert not below, f"below the copy rate ({COPY_BANDWIDTH / 1e12} TB/s) and not in MISSES: {below}"
-    assert not above, f"listed in MISSES but now at or above the copy rate (shrink the list): {above}"
-
-
-def test_misses_are_the_code_each_slice_repeats(model):
-    """Why the MISSES shapes miss, as figures (docs/performance.md, section 4). Per listed shape: its row split
-    (`_default_split`), tiles per slice, the instructions one warp issues per slice (in the tile loops, and
-    outside them: the pass starts, reductions, exchange and coefficient every slice repeats), the issue bound now
-    and were the slice only its tile loops, and the latency and DRAM bounds. Asserted: each listed shape below the
-    copy rate in the split plan is bound by issue or latency, its DRAM bound at the copy rate (pass 2 in L2) and its
-    tile loops alone would clear the copy rate: what it misses by is the code and waits each slice repeats; each in
-    the one-program plan (split 1) is DRAM-bound by misses within SPLIT_PLAN_MISS, where `_split_plan` keeps it."""
-    print("\nMISSES: what a listed row spends its instructions on (predictions; TB/s of floor traffic)")
-    print(f"{'device':<7}{'dtype':<6}{'V':>7}{'split':>6}{'tiles':>6}{'per row':>8}{'outside':>8}{'issue':>7}"
-          f"{'loops only':>11}{'latency':>8}{'DRAM':>6}  bound")  # fmt: skip
-    short, listed = [], 0
-    for m in model:
-        if m["grid_mode"] != "default" or (m["label"], m["dtype"], m["vocab"]) not in MISSES:
-            continue
-        listed += 1
-        per_row = m["per_row"]["issue"]
-        loops_only = m["full_issue"] * per_row / (per_row - m["outside_loops"])
-        tiles = _tile_trips(m, m["vocab"], 1, m["split"])[0]
-        print(f"{m['device']:<7}{m['dtype']:<6}{m['vocab']:>7}{m['split']:>6}{tiles:>6}{per_row:>8.0f}"
-              f"{m['outside_loops']:>8.0f}{m['full_issue'] / 1e12:>7.2f}{loops_only / 1e12:>11.2f}"
-              f"{m['full_latency'] / 1e12:>8.2f}{m['full_dram'] / 1e12:>6.2f}  {m['binding']}")  # fmt: skip
-        floor = COPY_BANDWIDTH * (1 - 1e-9)
-        if m["full_min"] >= floor:  # a column that meets it (None in MISSES)
-            continue
-        if m["split"] > 1:
-            why = m["binding"] in ("issue", "latency") and min(m["full_dram"], loops_only) >= floor
-        else:
-            why = m["binding"] == "dram" and 0 < m["full_miss"] <= triton_logits.SPLIT_PLAN_MISS
-        if not why:
-            short.append((m["device"], m["dtype"], m["vocab"], m["split"], m["binding"], round(loops_only / 1e12, 2)))
-    assert listed, "no listed shape in the model"
-    assert not short, f"listed in MISSES, but not for its per-slice code or its plan's misses: {short}"
+    device."""
+    below = _below(model)
+    assert not below, f"below the copy rate ({COPY_BANDWIDTH / 1e12} TB/s): {below}"
 
 
 def test_in_flight_target_follows_littles_law():
