@@ -7,7 +7,7 @@ spill stores or loads, and 16-byte vector loads where the rows are aligned. `pyt
 
 Triton versions: the environment's, plus each folder named in GRPO_KERNELS_TRITON_SITES (os.pathsep-separated
 `pip install --target` folders; `.ci/run` installs the oldest supported Triton there, 3.5, and 3.6), which compile
-the plans of V >= 32000 and the flag combinations (`SITE_VOCABS`).
+the fp32 and bf16 plans of V >= 32000 and the flag combinations (`SITE_VOCABS`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ DTYPES = ("fp32", "bf16", "fp16")
 # fp16 runs bf16's plan at every V (the 16-bit rows); its own compile differs only in the conversion of a loaded
 # element, so it is compiled where the 16-bit plans differ from fp32's, V >= 32000 (bf16 covers every row).
 FP16_VOCABS = tuple(v for v in VOCABS if v >= 32000)
-# An older Triton (a GRPO_KERNELS_TRITON_SITES folder) compiles the vocabularies models ship with, V >= 32000, and the
-# flag combinations; the small-V rows and the fused-linear folds are compiled on the environment's (newest) Triton.
+# An older Triton (a GRPO_KERNELS_TRITON_SITES folder) compiles the vocabularies models ship with, V >= 32000, in
+# fp32 and bf16, and the flag combinations; the small-V rows, fp16 (bf16's plans) and the fused-linear folds are
+# compiled on the environment's (newest) Triton.
 SITE_VOCABS = FP16_VOCABS
 
 
@@ -51,10 +52,10 @@ def site_id(site: str | None) -> str:
 
 
 def _configs(site: str | None = None) -> list[dict]:
-    """Every config on the environment's Triton; on an older one (`site`), those of SITE_VOCABS and the flag
-    combinations."""
-    vocabs = VOCABS if site is None else SITE_VOCABS
-    pairs = [(vocab, dtype) for vocab in vocabs for dtype in DTYPES if dtype != "fp16" or vocab in FP16_VOCABS]
+    """Every config on the environment's Triton; on an older one (`site`), those of SITE_VOCABS in fp32 and bf16
+    and the flag combinations."""
+    vocabs, fp16 = (VOCABS, FP16_VOCABS) if site is None else (SITE_VOCABS, ())
+    pairs = [(vocab, dtype) for vocab in vocabs for dtype in DTYPES if dtype != "fp16" or vocab in fp16]
     out = [cfg for vocab, dtype in pairs for cfg in hopper_aot.main_configs(vocab, dtype)]
     # The remaining flag combinations at the production shape (bf16, V = 151936), plus the unaligned variants.
     vocab, dtype = 151936, "bf16"
