@@ -11,6 +11,7 @@ On a CUDA machine without TRITON_INTERPRET the first kind skip and the second ru
 
 import os
 from importlib import metadata
+from pathlib import Path
 
 # pytest-xdist workers (`-n 2`, the README's test command) run one intra-op thread each, as do the processes they
 # start: torch reads the variable when it is first imported, below, and child processes inherit it. torch's default,
@@ -117,11 +118,16 @@ def nan_empty(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def aot_cache(tmp_path_factory):
-    """The folder of sm_90a/sm_100a compile results (tests/ops/hopper_aot.py's CompileCache) for this test run, one
-    for all xdist workers (their temporary folders share a parent): a specialization that test_hopper_compile.py
-    and test_performance_model.py both compile is compiled once."""
+def shared_tmp(tmp_path_factory) -> Path:
+    """A folder of this test run that every xdist worker sees (their temporary folders share a parent), for work
+    done once per run (tests/once.py)."""
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    return root / "aot-compile-cache"
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session")
+def aot_cache(shared_tmp):
+    """The folder of sm_90a/sm_100a compile results (tests/ops/hopper_aot.py's CompileCache) for this test run, one
+    for all xdist workers: a specialization that test_hopper_compile.py and test_performance_model.py both compile
+    is compiled once."""
+    return shared_tmp / "aot-compile-cache"

@@ -24,14 +24,11 @@ import importlib
 import io
 import json
 import os
-import pickle
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 try:
     from . import sass_model
@@ -467,19 +464,6 @@ class CompileCache:
                 yield True
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def computed_once(root: Path, name: str, compute: Callable[[], Any]) -> Any:
-    """`compute()`, computed by one process of the test run and read back (unpickled) by the others: the first
-    caller computes it while holding NAME's lock under `root`, one that comes meanwhile waits for it."""
-    cache = CompileCache(root)
-    path = root / f"{name}.pickle"
-    with cache.lock(name, wait=True):
-        if path.exists():
-            return pickle.loads(path.read_bytes())
-        value = compute()
-        cache._write(path.name, pickle.dumps(value))
-        return value
 
 
 def _compile_all(configs: list[dict], sass: bool, cache: CompileCache | None) -> list[dict]:

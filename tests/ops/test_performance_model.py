@@ -27,6 +27,7 @@ import pytest
 
 from grpo_kernels.ops import triton_logits
 
+from ..once import computed_once
 from . import hopper_aot, sass_model
 from .test_hopper_compile import _require_aot, site_id, triton_sites
 
@@ -375,7 +376,7 @@ def model(request, aot_cache) -> list[dict]:
     slow, starts first; tests/conftest.py)."""
     site = request.param
     _require_aot(site)
-    out = hopper_aot.computed_once(aot_cache, f"performance-model-{site_id(site)}", lambda: _model(site, aot_cache))
+    out = computed_once(aot_cache, f"performance-model-{site_id(site)}", lambda: _model(site, aot_cache))
     for device, _, _ in DEVICES:
         print_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"])
         print_full_model([m for m in out if m["device"] == device and m["grid_mode"] == "default"], f"sm_90a, {device}")

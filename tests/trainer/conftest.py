@@ -8,26 +8,37 @@ import torch
 from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.demo import addition_splits, build_char_tokenizer, build_tiny_model
 
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    """A 1-layer Llama and its character tokenizer, saved as any hub model folder is
-    (config, safetensors, tokenizer)."""
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, hidden=32, layers=1, heads=2).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+from ..once import computed_once
 
 
 @pytest.fixture(scope="session")
-def dataset_file(tmp_path_factory):
-    """Two-digit sums as JSONL, with the question and answer under non-default column names."""
-    rows, _ = addition_splits(seed=0, num_eval=0)
-    path = tmp_path_factory.mktemp("data") / "sums.jsonl"
-    path.write_text("".join(json.dumps({"question": r["prompt"], "solution": r["answer"]}) + "\n" for r in rows[:64]))
-    return path
+def model_dir(shared_tmp):
+    """A 1-layer Llama and its character tokenizer, saved as any hub model folder is (config, safetensors,
+    tokenizer); one folder for the whole run, so that runs shared by the xdist workers name the same model."""
+
+    def build():
+        torch.manual_seed(0)
+        folder = shared_tmp / "tiny-model"
+        tokenizer = build_char_tokenizer()
+        build_tiny_model(tokenizer, hidden=32, layers=1, heads=2).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return computed_once(shared_tmp, "tiny-model", build)
+
+
+@pytest.fixture(scope="session")
+def dataset_file(shared_tmp):
+    """Two-digit sums as JSONL, with the question and answer under non-default column names (one for the run)."""
+
+    def write():
+        rows, _ = addition_splits(seed=0, num_eval=0)
+        path = shared_tmp / "sums.jsonl"
+        path.write_text("".join(json.dumps({"question": r["prompt"], "solution": r["answer"]}) + "\n"
+                                for r in rows[:64]))  # fmt: skip
+        return path
+
+    return computed_once(shared_tmp, "sums", write)
 
 
 def tiny_values(model_dir, dataset_file, output_dir, **overrides) -> dict:

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from grpo_kernels.trainer import loop, model, train
 from grpo_kernels.trainer.checkpoint import ADAPTER_FILE, list_checkpoints
 
+from ..once import computed_once
 from ..ranks import rank_results
 from .conftest import tiny_argv, tiny_config
 
@@ -124,20 +125,21 @@ def adapter(output_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained(model_dir, dataset_file, tmp_path_factory):
-    """`trained(nproc, launcher, **options)` runs the CLI once per distinct arguments in this module (per xdist
-    worker) and returns the output folder, so the tests below share their reference runs. Callers copy a folder
-    before changing it."""
-    runs: dict[tuple, Path] = {}
+def trained(model_dir, dataset_file, shared_tmp):
+    """`trained(nproc, launcher, **options)` runs the CLI once per distinct arguments in the test run (whichever
+    xdist worker asks first; the others wait for it) and returns the output folder, so the tests below share their
+    reference runs. Callers copy a folder before changing it."""
 
     def run(nproc: int, launcher: str = "torchrun", **options) -> Path:
-        key = (nproc, launcher, tuple(sorted(options.items())))
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"{launcher}-{nproc}") / "run"
+        name = "-".join([launcher, str(nproc), *(f"{k}={v}" for k, v in sorted(options.items()))])
+
+        def train_once() -> Path:
+            out = shared_tmp / "trained" / name / "run"
             log = run_cli(model_dir, dataset_file, out, nproc, launcher, **options)
             assert log.count(f"trained {STEPS} steps") == 1, log  # rank 0 alone reports
-            runs[key] = out
-        return runs[key]
+            return out
+
+        return computed_once(shared_tmp / "trained", name, train_once)
 
     return run
 
