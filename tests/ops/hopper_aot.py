@@ -18,7 +18,6 @@ Loads in flight, per thread, of each innermost loop of the PTX (a loop is a bran
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib
 import io
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.once import file_lock, write_whole  # the repository is on the path here and in the compile subprocess
 
 try:
     from . import sass_model
@@ -446,24 +447,11 @@ class CompileCache:
         self._write(f"{key}.json", json.dumps(out).encode())
 
     def _write(self, name: str, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, self.root / name)
+        write_whole(self.root / name, data)
 
-    @contextlib.contextmanager
     def lock(self, key: str, wait: bool):
         """Yields True with `KEY.lock` held, or False when another process holds it and `wait` is False."""
-        with open(self.root / f"{key}.lock", "w") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return file_lock(self.root / f"{key}.lock", wait)
 
 
 def _compile_all(configs: list[dict], sass: bool, cache: CompileCache | None) -> list[dict]:
