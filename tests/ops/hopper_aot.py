@@ -6,7 +6,7 @@ holding another Triton, from `pip install --target`) first on the path. The subp
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`, so the cubin comes from the assembler and the
 flags this Triton itself uses (plain `ptxas` for sm_90 on Triton 3.5/3.6, `ptxas-blackwell` on 3.9), with the
 NUM_STAGES and maxnreg the kernels' launch heuristics pick; it reads registers and spills from that ptxas run's -v
-log and the loads in flight from the PTX.
+log and the loads in flight from the PTX, and (`sass`) the SASS from nvdisasm, one run for all the cubins.
 
 Loads in flight, per thread, of each innermost loop of the PTX (a loop is a branch back to an earlier label):
 - software-pipelined (cp.async into shared memory): the loop issues one commit group per iteration and waits with
@@ -17,6 +17,7 @@ Loads in flight, per thread, of each innermost loop of the PTX (a loop is a bran
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import importlib
@@ -24,6 +25,7 @@ import io
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -80,16 +82,20 @@ def main_configs(vocab: int, dtype: str) -> list[dict]:
 
 
 def compile_rows(
-    configs: list[dict], site: str | None = None, sass: bool = False, cache: Path | None = None
-) -> list[dict]:
+    configs: list[dict], site: str | None = None, sass: bool = False, cache: Path | None = None,
+    cuobjdump: bool = False,
+) -> list[dict]:  # fmt: skip
     """Compile `configs` in a subprocess (Triton from `site` when given); one result dict per config. `sass`: also
-    disassemble each cubin and count the instructions of its tile loops (`sass_loops`). `cache`: a folder of
-    compile results (`CompileCache`) to read each specialization from, or to add it to; None compiles all."""
+    disassemble the cubins (`disassemble`: one nvdisasm run) and count the instructions of their tile loops
+    (`sass_loops`). `cache`: a folder of compile results (`CompileCache`) to read each specialization from, or to
+    add it to; None compiles all. `cuobjdump`: also each cubin's code from a `cuobjdump -sass` run of its own
+    (`cuobjdump_code`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, str(REPO), env.get("PYTHONPATH")]))
+    request = {"configs": configs, "sass": sass, "cache": str(cache) if cache else None, "cuobjdump": cuobjdump}
     proc = subprocess.run(
         [sys.executable, __file__],
-        input=json.dumps({"configs": configs, "sass": sass, "cache": str(cache) if cache else None}),
+        input=json.dumps(request),
         check=False,
         capture_output=True,
         text=True,
@@ -143,29 +149,25 @@ def loop_loads_in_flight(body: list[str]) -> dict:
     return {"pipelined": False, "groups": 1, "bytes": ld_bytes, "vec16_per_iter": vec16}
 
 
-_SASS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-
-
-def sass_tile_loops(sass: str) -> list[dict]:
+def sass_tile_loops(code: list[sass_model.Instr]) -> list[dict]:
     """Each innermost SASS loop (a BRA back to a lower address) that evaluates exp2 (the tile loops), in program
     order: `instructions`, what one warp issues per tile on the common path, and `once`, the instructions that
     a predicated forward branch inside the loop skips (the target's own tile: run once per row, not per tile);
     `ex2` counts the common path's MUFU.EX2."""
-    code = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := _SASS.match(line))]
     loops = []
-    for addr, text in code:
-        if (m := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr))
+    for c in code:
+        if (m := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", c.text)) and int(m.group(1), 16) < c.addr:
+            loops.append((int(m.group(1), 16), c.addr))
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     out = []
     for a, b in sorted(set(inner)):
-        body = [(addr, text) for addr, text in code if a <= addr <= b]
+        body = [c for c in code if a <= c.addr <= b]
         skipped = set()
-        for addr, text in body:
-            m = re.search(r"^@!?U?P\d\s+BRA\b.*?0x([0-9a-f]+)", text)
-            if m and addr < int(m.group(1), 16) <= b:
-                skipped |= {x for x, _ in body if addr < x < int(m.group(1), 16)}
-        common = [text for addr, text in body if addr not in skipped]
+        for c in body:
+            m = re.search(r"^@!?U?P\d\s+BRA\b.*?0x([0-9a-f]+)", c.text)
+            if m and c.addr < int(m.group(1), 16) <= b:
+                skipped |= {x.addr for x in body if c.addr < x.addr < int(m.group(1), 16)}
+        common = [c.text for c in body if c.addr not in skipped]
         if any("MUFU.EX2" in t for t in common):
             out.append(
                 {
@@ -381,17 +383,80 @@ def _assemble(spec: dict, seen: dict) -> tuple[dict, bytes]:
     return out, compiled.asm["cubin"]
 
 
-def _disassemble(cubin: bytes) -> dict:
-    """The SASS readings of a cubin: its tile loops and the compact code the row model walks."""
+def _tool(name: str) -> str:
+    """A CUDA binary tool shipped with the running Triton (triton/backends/nvidia/bin)."""
     import triton
 
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def code_section(cubin: bytes) -> bytes:
+    """The machine code of a cubin's one kernel: its `.text.<kernel>` section (a cubin is a little-endian ELF64)."""
+    if cubin[:5] != b"\x7fELF\x02":
+        raise ValueError("not an ELF64 cubin")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    # section headers: (name offset, type, flags, address, file offset, size)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+
+    def name(header: tuple) -> bytes:
+        start = names + header[0]
+        return cubin[start : cubin.index(b"\0", start)]
+
+    texts = [cubin[h[4] : h[4] + h[5]] for h in headers if name(h).startswith(b".text.")]
+    if len(texts) != 1:
+        raise ValueError(f"a cubin with {len(texts)} code sections, not one kernel's")
+    return texts[0]
+
+
+_RAW_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+# The instructions of these kernels whose last operand is a code address (a branch or call target, a convergence
+# point), which raw disassembly prints from the start of the whole binary.
+_CODE_ADDRESS = re.compile(r"^((?:@!?U?P\w+\s+)?(?:BRA|BSSY|WARPSYNC\.COLLECTIVE|CALL\.REL|RET\.REL)\b.*?)0x(\w+)$")
+
+
+def disassemble(cubins: list[bytes], arch: int) -> list[list[sass_model.Instr]]:
+    """Each sm_`arch`a cubin's SASS as `sass_model` reads it (what `cuobjdump -sass` shows for the cubin alone), from
+    one nvdisasm run for them all, since its start-up (about half a second) is most of what a disassembly costs:
+    the kernels' code back to back, disassembled as raw code, each instruction's code address rebased to its own
+    kernel's start, its control bits read from its encoding (the top 23 bits of its second 64-bit word)."""
+    if not cubins:
+        return []
+    codes = [code_section(cubin) for cubin in cubins]
+    starts = [sum(map(len, codes[:i])) for i in range(len(codes))]
+    blob = b"".join(codes)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "code.bin"
+        path.write_bytes(blob)
+        dump = subprocess.run([_tool("nvdisasm"), "-b", f"SM{arch}a", str(path)], check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+    out: list[list[sass_model.Instr]] = [[] for _ in codes]
+    for m in _RAW_INSTR.finditer(dump):
+        addr, text = int(m.group(1), 16), m.group(2)
+        k = bisect.bisect_right(starts, addr) - 1
+        if k and (target := _CODE_ADDRESS.match(text)):
+            text = f"{target.group(1)}0x{int(target.group(2), 16) - starts[k]:x}"
+        ctrl = int.from_bytes(blob[addr + 8 : addr + 16], "little") >> 41
+        out[k].append(sass_model.Instr(addr - starts[k], text, ctrl))
+    for code, instrs in zip(codes, out, strict=True):
+        if len(instrs) != len(code) // 16:
+            raise AssertionError(f"nvdisasm read {len(instrs)} instructions of a kernel of {len(code) // 16}")
+    return out
+
+
+def cuobjdump_sass(cubin: bytes) -> list[sass_model.Instr]:
+    """One cubin's SASS from `cuobjdump -sass` (a run of its own): what `disassemble` is checked against."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        dump = subprocess.run([str(cuobjdump), "-sass", str(path)], check=True, capture_output=True, text=True)
-    code = sass_model.compact(sass_model.parse_sass(dump.stdout))
-    return {"sass_loops": sass_tile_loops(dump.stdout), "sass_code": code}
+        dump = subprocess.run([_tool("cuobjdump"), "-sass", str(path)], check=True, capture_output=True, text=True)
+    return sass_model.parse_sass(dump.stdout)
+
+
+def sass_readings(code: list[sass_model.Instr]) -> dict:
+    """The SASS readings of a kernel: its tile loops and the compact code the row model walks."""
+    return {"sass_loops": sass_tile_loops(code), "sass_code": sass_model.compact(code)}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -426,24 +491,25 @@ def cache_key(spec: dict, sources: str) -> str:
 class CompileCache:
     """Compile results on disk under `root` (entry `KEY.json`, cubin `KEY.cubin`), each written once, atomically (a
     temporary file renamed into place), while holding `KEY.lock`: a process that finds an entry locked compiles
-    the others first and then waits for it, so two processes never compile the same specialization."""
+    the others first and then waits for it, so two processes never compile the same specialization. An entry
+    compiled without its SASS readings gets them later (`update`)."""
 
     def __init__(self, root: Path):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def load(self, key: str, sass: bool) -> dict | None:
+    def load(self, key: str) -> dict | None:
         entry = self.root / f"{key}.json"
-        if not entry.exists():
-            return None
-        out = json.loads(entry.read_text())
-        if sass and out["sass_code"] is None:  # compiled without SASS: disassemble the stored cubin now
-            out.update(_disassemble((self.root / f"{key}.cubin").read_bytes()))
-            self._write(f"{key}.json", json.dumps(out).encode())
-        return out
+        return json.loads(entry.read_text()) if entry.exists() else None
+
+    def cubin(self, key: str) -> bytes:
+        return (self.root / f"{key}.cubin").read_bytes()
 
     def store(self, key: str, out: dict, cubin: bytes) -> None:
         self._write(f"{key}.cubin", cubin)  # first: an entry never names a missing cubin
+        self.update(key, out)
+
+    def update(self, key: str, out: dict) -> None:
         self._write(f"{key}.json", json.dumps(out).encode())
 
     def _write(self, name: str, data: bytes) -> None:
@@ -454,35 +520,36 @@ class CompileCache:
         return file_lock(self.root / f"{key}.lock", wait)
 
 
-def _compile_all(configs: list[dict], sass: bool, cache: CompileCache | None) -> list[dict]:
+def _compile_all(configs: list[dict], sass: bool, cache: CompileCache | None, cuobjdump: bool = False) -> list[dict]:
     seen: dict = {}
     specs = [_specialize(cfg) for cfg in configs]
+    sources = _sources_hash()
+    keys = [cache_key(spec, sources) for spec in specs]
+    found: dict[str, dict] = {}
+    cubins: dict[str, bytes] = {}  # the ones compiled here
 
-    def fresh(spec: dict) -> tuple[dict, bytes]:
-        out, cubin = _assemble(spec, seen)
-        if sass:
-            out.update(_disassemble(cubin))
-        return out, cubin
+    def compile_here(i: int) -> dict:
+        entry, cubins[keys[i]] = _assemble(specs[i], seen)
+        return entry
 
     if cache is None:
-        results = [fresh(spec)[0] for spec in specs]
+        for i, key in enumerate(keys):
+            if key not in found:
+                found[key] = compile_here(i)
     else:
-        sources = _sources_hash()
-        keys = [cache_key(spec, sources) for spec in specs]
-        found: dict[str, dict] = {}
 
         def read_or_compile(i: int, wait: bool) -> bool:
             """The entry of specs[i], compiled here if nobody has; False: another process holds it (not waiting)."""
             if keys[i] in found:
                 return True
-            if (entry := cache.load(keys[i], sass)) is not None:
+            if (entry := cache.load(keys[i])) is not None:
                 found[keys[i]] = entry
                 return True
             with cache.lock(keys[i], wait) as held:
                 if held:
-                    if (entry := cache.load(keys[i], sass)) is None:  # nobody wrote it while we waited
-                        entry, cubin = fresh(specs[i])
-                        cache.store(keys[i], entry, cubin)
+                    if (entry := cache.load(keys[i])) is None:  # nobody wrote it while we waited
+                        entry = compile_here(i)
+                        cache.store(keys[i], entry, cubins[keys[i]])
                     found[keys[i]] = entry
                 return held
 
@@ -490,8 +557,24 @@ def _compile_all(configs: list[dict], sass: bool, cache: CompileCache | None) ->
         later = [i for i in range(len(specs)) if not read_or_compile(i, wait=False)]
         for i in later:
             read_or_compile(i, wait=True)
-        results = [found[key] for key in keys]
-    return [{**cfg, **spec["plan"], **out} for cfg, spec, out in zip(configs, specs, results, strict=True)]
+
+    def cubin(key: str) -> bytes:
+        return cubins[key] if key in cubins else cache.cubin(key)  # type: ignore[union-attr]
+
+    if sass:  # the kernels still without SASS readings, disassembled together, one nvdisasm run per architecture
+        arch = dict(zip(keys, (spec["arch"] for spec in specs), strict=True))
+        missing = [key for key in found if found[key]["sass_code"] is None]
+        for a in sorted({arch[key] for key in missing}):
+            batch = [key for key in missing if arch[key] == a]
+            for key, code in zip(batch, disassemble([cubin(key) for key in batch], a), strict=True):
+                found[key].update(sass_readings(code))
+                if cache is not None:
+                    cache.update(key, found[key])
+    rows = [{**cfg, **spec["plan"], **found[key]} for cfg, spec, key in zip(configs, specs, keys, strict=True)]
+    if cuobjdump:  # each kernel's code as cuobjdump -sass shows it, disassembled alone (the check of `disassemble`)
+        for row, key in zip(rows, keys, strict=True):
+            row["cuobjdump_code"] = sass_model.compact(cuobjdump_sass(cubin(key)))
+    return rows
 
 
 def _main() -> None:
@@ -501,7 +584,7 @@ def _main() -> None:
         os.environ["TRITON_CACHE_DIR"] = tmp  # a fresh cache: every kernel is assembled here, with its log
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
         os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"  # the launch default; silences Triton 3.9's notice about it
-        rows = _compile_all(request["configs"], request["sass"], cache)
+        rows = _compile_all(request["configs"], request["sass"], cache, request["cuobjdump"])
     print(json.dumps(rows))
 
 

@@ -1,12 +1,13 @@
 """A per-row timing model read off a kernel's SASS (sm_90a, sm_100a): every instruction one warp issues for a row,
 the pipes they load, and a timeline of one warp through the row that waits where the SASS waits.
 
-The SASS is `cuobjdump -sass` text. Each instruction carries its control bits (the top 23 bits of its 128-bit
-encoding, printed as the second hex word): the stall count, the scoreboard (SB) a variable-latency instruction
-sets on completion, and the mask of SBs the instruction waits for before it issues. A global load (LDG) sets an SB
-that its first consumer waits on; the pipelined tile copies (LDGSTS, `cp.async`) are committed in groups
-(LDGDEPBAR) and awaited with `DEPBAR.LE SB0, n` (at most n groups still outstanding). So the SASS itself states
-where each load is issued and where it is awaited.
+The SASS comes from nvdisasm (tests/ops/hopper_aot.py's `disassemble`), or from `cuobjdump -sass`-style text
+(`parse_sass`: the hand-written snippets of the tests). Each instruction carries its control bits (the top 23 bits
+of its 128-bit encoding, cuobjdump's second hex word): the stall count, the scoreboard (SB) a variable-latency
+instruction sets on completion, and the mask of SBs the instruction waits for before it issues. A global load
+(LDG) sets an SB that its first consumer waits on; the pipelined tile copies (LDGSTS, `cp.async`) are committed in
+groups (LDGDEPBAR) and awaited with `DEPBAR.LE SB0, n` (at most n groups still outstanding). So the SASS itself
+states where each load is issued and where it is awaited.
 
 The walk (`walk_rows`): the kernels are persistent, one loop over rows i, i + grid, ...; the model follows one
 warp through the program's setup and then `rows` iterations of that row loop. Control flow:
@@ -96,7 +97,7 @@ class Instr:
 
 
 def parse_sass(sass: str) -> list[Instr]:
-    """Instructions of the (single) function in `cuobjdump -sass` text, with their control bits."""
+    """Instructions of the (single) function in `cuobjdump -sass`-style text, with their control bits."""
     lines = sass.splitlines()
     out = []
     for i, line in enumerate(lines):

@@ -147,13 +147,16 @@ def test_ci_tests_the_oldest_triton():
 
 def test_compile_cache_entries_are_whole_and_locked_one_holder_at_a_time(tmp_path):
     """The compile cache the AOT tests share: an entry reads back as written (written whole: no temporary file
-    left beside it), a missing one is None, and while one holder has a key's lock another that will not wait is
-    told so (False) instead of compiling the same specialization again."""
+    left beside it), with its cubin, and as updated (its SASS readings, added later); a missing one is None; and
+    while one holder has a key's lock another that will not wait is told so (False) instead of compiling the same
+    specialization again."""
     cache = hopper_aot.CompileCache(tmp_path / "cache")
-    assert cache.load("k", sass=False) is None
-    entry = {"regs": 40, "spill_stores": 0, "spill_loads": 0, "sass_code": [[0, "EXIT", 0]], "sass_loops": []}
+    assert cache.load("k") is None
+    entry = {"regs": 40, "spill_stores": 0, "spill_loads": 0, "sass_code": None, "sass_loops": None}
     cache.store("k", entry, b"\x7fELF")
-    assert cache.load("k", sass=True) == entry  # it has its SASS: nothing to disassemble
+    assert cache.load("k") == entry and cache.cubin("k") == b"\x7fELF"
+    cache.update("k", {**entry, "sass_code": [[0, "EXIT", 0]], "sass_loops": []})
+    assert cache.load("k") == {**entry, "sass_code": [[0, "EXIT", 0]], "sass_loops": []}
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["k.cubin", "k.json"]
     with cache.lock("k", wait=False) as held:
         assert held

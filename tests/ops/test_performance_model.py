@@ -608,21 +608,40 @@ def test_ptx_and_sass_loop_analysis():
     (body,) = hopper_aot.innermost_loops(PLAIN_PTX)
     assert hopper_aot.loop_loads_in_flight(body) == {"pipelined": False, "groups": 1, "bytes": 34, "vec16_per_iter": 2}
     assert hopper_aot.innermost_loops("$L__BB0_1:\n\tbra.uni \t$L__BB0_2;\n$L__BB0_2:\n") == []
-    sass = (
-        "        /*0100*/                   MUFU.EX2 R1, R2 ;\n"
-        "        /*0110*/               @P2 BRA 0x140 ;\n"
-        "        /*0120*/                   ISETP.NE.U32.AND P3, PT, R6, UR5, PT ;\n"
-        "        /*0130*/                   FSEL R7, R7, -INF , P3 ;\n"
-        "        /*0140*/                   FADD R3, R1, R4 ;\n"
-        "        /*0150*/               @P0 BRA 0x100 ;\n"
-        "        /*0160*/                   IADD3 R5, R5, 0x1, RZ ;\n"
-        "        /*0170*/               @P1 BRA 0x160 ;\n"
-        "        /*0180*/                   EXIT ;\n"
-    )
-    assert hopper_aot.sass_tile_loops(sass) == [{"instructions": 4, "once": 2, "ex2": 1}]
+    sass = [
+        (0x100, "MUFU.EX2 R1, R2", 0),
+        (0x110, "@P2 BRA 0x140", 0),
+        (0x120, "ISETP.NE.U32.AND P3, PT, R6, UR5, PT", 0),
+        (0x130, "FSEL R7, R7, -INF , P3", 0),
+        (0x140, "FADD R3, R1, R4", 0),
+        (0x150, "@P0 BRA 0x100", 0),
+        (0x160, "IADD3 R5, R5, 0x1, RZ", 0),
+        (0x170, "@P1 BRA 0x160", 0),
+        (0x180, "EXIT", 0),
+    ]
+    assert hopper_aot.sass_tile_loops(sass_model.parse_sass(_sass(sass))) == [{"instructions": 4, "once": 2, "ex2": 1}]
     assert hopper_aot.programs_per_sm(64, 16, 16448) == 2
     assert hopper_aot.programs_per_sm(111, 16, 65600) == 1
     assert hopper_aot.programs_per_sm(64, 16, 230 << 10) == 0
+
+
+def test_one_nvdisasm_run_reads_each_kernel_as_cuobjdump_does(aot_cache):
+    """The model reads the kernels' SASS from one nvdisasm run over all of their code (`hopper_aot.disassemble`:
+    the code sections back to back, each code address rebased to its own kernel's start, the control bits read
+    from the encodings). Each kernel's instructions, addresses, branch and call targets and control bits are the
+    ones `cuobjdump -sass` shows for its cubin alone: the stats, gradient and fused kernels on sm_90a (calls,
+    returns, convergence points, warp syncs) and, with Triton's Blackwell ptxas, stats and fused on sm_100a
+    (branches on uniform predicates)."""
+    _require_aot(None)
+    import triton
+
+    configs = hopper_aot.main_configs(151936, "bf16")
+    if (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell").exists():
+        configs += [{**configs[0], "arch": 100}, {**configs[2], "arch": 100}]
+    rows = hopper_aot.compile_rows(configs, None, sass=True, cache=aot_cache, cuobjdump=True)
+    for row in rows:
+        assert row["sass_code"], row["label"]
+        assert row["sass_code"] == row["cuobjdump_code"], (row["label"], row.get("arch", 90))
 
 
 # ------------------------------------------------------------------------------------------------------------------
