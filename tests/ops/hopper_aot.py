@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import importlib
 import io
+import itertools
 import json
 import os
 import re
@@ -424,7 +425,7 @@ def disassemble(cubins: list[bytes], arch: int) -> list[list[sass_model.Instr]]:
     if not cubins:
         return []
     codes = [code_section(cubin) for cubin in cubins]
-    starts = [sum(map(len, codes[:i])) for i in range(len(codes))]
+    starts = [0, *itertools.accumulate(map(len, codes[:-1]))]
     blob = b"".join(codes)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "code.bin"
