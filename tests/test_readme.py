@@ -241,11 +241,15 @@ EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["op
 
 
 def commands(code: str) -> list[list[str]]:
-    """Each command of a block (split at &&) as its words, environment assignments dropped."""
+    """Each command of a block (split at &&) as its words, its environment (assignments, `env -u NAME`) dropped."""
     out = []
     for line in code.splitlines():
         for part in line.split("&&"):
             words = shlex.split(part)
+            if words[:1] == ["env"]:
+                words = words[1:]
+                while words[:1] == ["-u"]:
+                    words = words[2:]
             while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
                 words = words[1:]
             out.append(words)
@@ -265,14 +269,15 @@ def _is_checkout_install(words: list[str]) -> bool:
 def test_every_command_runs_from_the_checkout_with_the_venv_named():
     """A shell has no `grpo-kernels`, `torchrun` or the venv's `python` until the venv is activated: every command
     names it (or is the one that makes it, or runs a script of the checkout, which picks its interpreter), and every
-    install is of this checkout (`-e .` or `-e '.[extra]'`, the extra one of pyproject.toml's), never of an index."""
+    install is of this checkout (`-e .` or `-e '.[extra]'`, the extra one of pyproject.toml's), never of an index
+    (pip's own upgrade aside)."""
     assert len(BASH) >= 6  # the setup, the trainer, reasoning-gym, the launchers, explore, the GPU check: not vacuous
     for page, heading, _, code in BASH:
         for words in commands(code):
             program = words[0]
             script = program == "bash" and (ROOT / words[1]).is_file()
             assert program.startswith(".venv/bin/") or words[:3] == ["python3", "-m", "venv"] or script, (page, words)
-            if program.endswith("/pip") and "install" in words:
+            if program.endswith("/pip") and "install" in words and words[-1] != "pip":  # pip itself: -U pip
                 assert _is_checkout_install(words), (page, heading, words)
 
 
