@@ -384,7 +384,7 @@ def _assemble(spec: dict, seen: dict) -> tuple[dict, bytes]:
     return out, compiled.asm["cubin"]
 
 
-def _tool(name: str) -> str:
+def triton_tool(name: str) -> str:
     """A CUDA binary tool shipped with the running Triton (triton/backends/nvidia/bin)."""
     import triton
 
@@ -430,7 +430,7 @@ def disassemble(cubins: list[bytes], arch: int) -> list[list[sass_model.Instr]]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "code.bin"
         path.write_bytes(blob)
-        dump = subprocess.run([_tool("nvdisasm"), "-b", f"SM{arch}a", str(path)], check=True, capture_output=True,
+        dump = subprocess.run([triton_tool("nvdisasm"), "-b", f"SM{arch}a", str(path)], check=True, capture_output=True,
                               text=True).stdout  # fmt: skip
     out: list[list[sass_model.Instr]] = [[] for _ in codes]
     for m in _RAW_INSTR.finditer(dump):
@@ -451,7 +451,8 @@ def cuobjdump_sass(cubin: bytes) -> list[sass_model.Instr]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        dump = subprocess.run([_tool("cuobjdump"), "-sass", str(path)], check=True, capture_output=True, text=True)
+        command = [triton_tool("cuobjdump"), "-sass", str(path)]
+        dump = subprocess.run(command, check=True, capture_output=True, text=True)
     return sass_model.parse_sass(dump.stdout)
 
 

@@ -633,10 +633,8 @@ def test_one_nvdisasm_run_reads_each_kernel_as_cuobjdump_does(aot_cache):
     returns, convergence points, warp syncs) and, with Triton's Blackwell ptxas, stats and fused on sm_100a
     (branches on uniform predicates)."""
     _require_aot(None)
-    import triton
-
     configs = hopper_aot.main_configs(151936, "bf16")
-    if (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell").exists():
+    if Path(hopper_aot.triton_tool("ptxas-blackwell")).exists():
         configs += [{**configs[0], "arch": 100}, {**configs[2], "arch": 100}]
     rows = hopper_aot.compile_rows(configs, None, sass=True, cache=aot_cache, cuobjdump=True)
     for row in rows:
@@ -656,9 +654,7 @@ B200 = {"sms": 148, "clock": 1.755e9, "copy": 8.0e12 * 4.3 / 4.8}
 @pytest.fixture(scope="module")
 def blackwell(aot_cache) -> list[dict]:
     _require_aot(None)
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell").exists():
+    if not Path(hopper_aot.triton_tool("ptxas-blackwell")).exists():
         pytest.skip("this Triton ships no Blackwell ptxas")
     _, rows = configs_for(None)
     rows = [r for r in rows if r["device"] == "H200" and r["grid_mode"] == "default"]
