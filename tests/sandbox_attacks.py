@@ -312,13 +312,16 @@ def as_nobody(
 ) -> subprocess.CompletedProcess:
     """Run `script` with the system interpreter as `nobody`, this package's sandbox and the attacks importable from
     a copy anyone can read (`nobody` may not read the checkout, nor pytest's temporary folders); `data` is JSON in
-    the script's `DATA`; `env` adds to its environment."""
+    the script's `DATA`; `env` adds to its environment. The copy has the bytecode an installed package has (pip
+    compiles it), which `nobody` cannot write there: its modification times kept, so the copy's sources match it."""
     import grpo_kernels.sandbox
+    from grpo_kernels.sandbox import runner
 
+    runner._cache_start_bytecode()
     folder = Path(tempfile.mkdtemp(prefix="grpo-sandbox-copy-"))
     try:
         source = Path(grpo_kernels.sandbox.__file__).parent
-        shutil.copytree(source, folder / "sandbox", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(source, folder / "sandbox")  # copy2: modification times kept
         shutil.copy(__file__, folder)
         (folder / "data.json").write_text(json.dumps(data))
         for p in (folder, *folder.rglob("*")):

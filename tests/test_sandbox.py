@@ -6,13 +6,16 @@ where root can become one, as an unprivileged user; where a layer cannot apply t
 guarantee `isolation()` states instead.
 """
 
+import importlib.util
 import json
 import math
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -849,3 +852,45 @@ def test_case_frames_refuse_what_is_malformed():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_run_leaves_the_start_scripts_compiled():
+    # The launcher and the judge start with -B from the package's folder, so they read bytecode but never write it;
+    # a source tree has none from pip, and every sample compiled some 1,800 lines twice over. Each run now finds the
+    # bytecode the caller wrote, valid for the interpreter that reads it (timestamp and size of the source).
+    if sys.dont_write_bytecode:
+        pytest.skip("this interpreter writes no bytecode (PYTHONDONTWRITEBYTECODE or -B)")
+    folder = Path(runner.__file__).parent
+    if not os.access(folder, os.W_OK):
+        pytest.skip(f"{folder} is read-only here")
+    sources = [folder / f"{name}.py" for name in ("launcher", "judge", "wire", "restrict")]
+    for source in sources:
+        Path(importlib.util.cache_from_source(str(source))).unlink(missing_ok=True)
+    runner._cache_start_bytecode.cache_clear()
+    assert run_tests("def f():\n    return 1\n", "assert f() == 1\n", limits=LIMITS).passed  # the launcher and judge
+    for source in sources:
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        assert cached.exists(), f"no bytecode for {source.name}"
+        magic, flags, mtime, size = struct.unpack("<4sIII", cached.read_bytes()[:16])
+        stat = source.stat()
+        assert (magic, flags) == (importlib.util.MAGIC_NUMBER, 0), source.name  # timestamp-checked bytecode
+        assert (mtime, size) == (int(stat.st_mtime) & 0xFFFFFFFF, stat.st_size & 0xFFFFFFFF), source.name
+
+
+def test_the_wait_for_a_killed_group_reads_proc_only_while_some_of_it_is_left(monkeypatch):
+    # After a run that ended by itself the launcher's group is empty: no scan of every process of the machine.
+    # A group with a member left (here a child in a session of its own) is scanned until that member is gone.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    scans = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": scans.append(path) or real_listdir(path))
+    try:
+        threading.Timer(0.2, child.kill).start()
+        start = time.monotonic()
+        cleanup.wait_group_gone(child.pid, timeout=20)  # alive, then a zombie: waited for until it is one
+        assert scans == ["/proc"] and 0.15 < time.monotonic() - start < 15
+    finally:
+        child.kill()
+        child.wait()
+    cleanup.wait_group_gone(child.pid)  # reaped: the group is gone
+    assert scans == ["/proc"]

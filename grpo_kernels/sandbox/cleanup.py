@@ -35,6 +35,12 @@ def wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
     process of its PID namespace: until it is a zombie, some of the sample may still be alive (seen on a loaded
     machine). Only the members found at once are waited for, so a later group that reuses the number is not;
     `timeout` bounds the wait should a process hang in the kernel."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return  # no process of the group is left, not even a zombie: as after every run that ended by itself
+    except PermissionError:
+        pass  # some are left, of another uid
     deadline = time.monotonic() + timeout
     members = _alive_in_group(pgid, filter(str.isdigit, os.listdir("/proc")))
     while members and time.monotonic() < deadline:
