@@ -363,6 +363,12 @@ INTERPRETER = {  # name: (source, what it prints)
         "late",
     ),
     "unflushed": ("out = open(1, 'w')\nout.write('raw')\n", "raw"),
+    # evaluated at once, as `python solution.py` does (the launcher's own `from __future__ import annotations` once
+    # reached the program: its annotations were strings)
+    "annotations": (
+        "def f(x: int) -> str:\n    pass\nprint(f.__annotations__)\n",
+        "{'x': <class 'int'>, 'return': <class 'str'>}",
+    ),
     "tempfile": (
         (
             "import os, tempfile\nwith tempfile.TemporaryDirectory() as d:\n"

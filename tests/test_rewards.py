@@ -374,6 +374,13 @@ JUDGED = {
     "math-imported": ("import math\ndef area(r):\n    return math.pi * r * r\n", ISCLOSE, None, False, 1),
     "exit-quit": ("def add(a, b):\n    return a + b\n", ADD_TESTS, None, False, 1),
     "copy-function": ("def copy(xs):\n    return list(xs)\n", "assert copy((1, 2)) == [1, 2]\n", None, False, 1),
+    # annotations evaluated at once, as python does, in the solution and in the tests (the launcher's and the judge's
+    # own `from __future__ import annotations` once reached both: they were strings)
+    "annotations": (
+        "def kinds(x: int) -> str:\n    return [type(v).__name__ for v in kinds.__annotations__.values()]\n",
+        "def g(y: int):\n    pass\nassert g.__annotations__['y'] is int\nassert kinds(0) == ['type', 'type']\n",
+        None, False, 1,
+    ),
     "numpy-as-np": (NUMPY, NUMPY_TESTS, None, True, 1),
     # values rebuilt from trusted types
     "collections": (COLLECTIONS, COLLECTIONS_TESTS, None, False, 1),

@@ -312,7 +312,7 @@ def class_names(tests: str) -> list[str]:
 def run_setup(setup: str, scope: dict) -> tuple[set[str], set[str]]:
     """Run the trusted `setup` in the tests' globals: (the names it bound, those it only declared)."""
     before = dict(scope)
-    exec(compile(setup, "setup.py", "exec"), scope)  # noqa: S102 - trusted, like the tests
+    exec(compile(setup, "setup.py", "exec", dont_inherit=True), scope)  # noqa: S102 - trusted, like the tests
     bound = {k for k, v in scope.items() if k not in before or before[k] is not v}
     return bound, declared_only(setup)
 
@@ -363,7 +363,7 @@ def judge(tests: str, conn: Connection, setup: str | None = None) -> tuple[bool,
             return False, f"the solution raised while loading:\n{str(hello['error'])[-2000:]}"
         scope = scope_for(conn, hello, tests, setup)
         sys.argv[:] = ["tests.py"]
-        exec(compile(tests, "tests.py", "exec"), scope)  # noqa: S102 - the trusted tests, in the judge
+        exec(compile(tests, "tests.py", "exec", dont_inherit=True), scope)  # noqa: S102 - the trusted tests, in the judge
         if run_test_cases(scope) is False:
             return False, "the tests' TestCases failed"
     except SystemExit as exc:  # the tests' own exit (unittest.main()'s too): their status decides
