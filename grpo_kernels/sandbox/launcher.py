@@ -115,6 +115,10 @@ def init(job: dict) -> None:
         restrict.prctl(PR_SET_CHILD_SUBREAPER, 1, "PR_SET_CHILD_SUBREAPER")
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: as pid 1, the sample cannot signal us at all
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    # Each program's process (each case) compiles the program, and a process's first compile() readies the ~120
+    # classes of the AST module (to see whether it was given one). A launcher read from bytecode, as an installed
+    # package is, has compiled nothing: done here, once, and every fork inherits them.
+    compile("", "<init>", "exec", dont_inherit=True)
     if job["mode"] == "cases":
         run_cases(job)
     child = start_program(job, job["fds"])
