@@ -8,6 +8,8 @@ anyone can read, from a script as an unprivileged user.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -312,8 +314,9 @@ def as_nobody(
 ) -> subprocess.CompletedProcess:
     """Run `script` with the system interpreter as `nobody`, this package's sandbox and the attacks importable from
     a copy anyone can read (`nobody` may not read the checkout, nor pytest's temporary folders); `data` is JSON in
-    the script's `DATA`; `env` adds to its environment. The copy has the bytecode an installed package has (pip
-    compiles it), which `nobody` cannot write there: its modification times kept, so the copy's sources match it."""
+    the script's `DATA`; `env` adds to its environment. The copy has the start scripts' bytecode, as an installed
+    package has it (pip compiles it), which `nobody` cannot write there; their sources keep their modification
+    times, which the bytecode records. Only those files: other test processes write that folder meanwhile."""
     import grpo_kernels.sandbox
     from grpo_kernels.sandbox import runner
 
@@ -321,7 +324,12 @@ def as_nobody(
     folder = Path(tempfile.mkdtemp(prefix="grpo-sandbox-copy-"))
     try:
         source = Path(grpo_kernels.sandbox.__file__).parent
-        shutil.copytree(source, folder / "sandbox")  # copy2: modification times kept
+        shutil.copytree(source, folder / "sandbox", ignore=shutil.ignore_patterns("__pycache__"))  # copy2: mtimes kept
+        (folder / "sandbox" / "__pycache__").mkdir()
+        for name in runner._START_SCRIPTS:
+            cached = Path(importlib.util.cache_from_source(str(source / f"{name}.py")))
+            with contextlib.suppress(FileNotFoundError):  # none written (no bytecode here): it compiles them
+                shutil.copy2(cached, folder / "sandbox" / "__pycache__" / cached.name)
         shutil.copy(__file__, folder)
         (folder / "data.json").write_text(json.dumps(data))
         for p in (folder, *folder.rglob("*")):

@@ -292,6 +292,7 @@ def _run(
             given.seek(0)
             ends = _Ends.open(pipes, tests=tests is not None, cases=cases)
             job = _job(plan, program, limits, uid, workdir, seen, cgroup, ends, cases)
+            _cache_start_bytecode()  # before the clock starts: the first run of a process may compile them
             start = time.monotonic()
             sandbox = _start_launcher(plan, workdir, str(job["folder"]), given, out, err, ends)
             procs.append(sandbox)
@@ -441,6 +442,9 @@ def _job(
 _PATH = "/usr/bin:/bin"  # the children's PATH
 
 
+_START_SCRIPTS = ("launcher", "judge", "wire", "restrict")  # what the launcher and the judge import from _HERE
+
+
 @functools.cache
 def _cache_start_bytecode() -> None:
     """Once per process, the bytecode of the scripts the launcher and the judge import (some 1,800 lines), written
@@ -448,7 +452,7 @@ def _cache_start_bytecode() -> None:
     where the folder is read-only. Both start with -B, so they read it but never write it; without it, as in an
     editable install (pip compiles an installed package's, not a source tree's), every run compiled them again: a
     source tree now runs as an installed package does (a sample of run_tests takes 12-20 % less CPU)."""
-    for name in ("launcher", "judge", "wire", "restrict"):
+    for name in _START_SCRIPTS:
         path = os.path.join(_HERE, f"{name}.py")
         importlib.machinery.SourceFileLoader(name, path).get_code(name)  # compiles and writes it if it is stale
 
@@ -458,7 +462,6 @@ def _start_launcher(
 ) -> subprocess.Popen:
     """The sandboxed launcher, in a session of its own, with a clean environment; it waits for its job. `folder`:
     the sample's own, as it sees it."""
-    _cache_start_bytecode()
     env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": folder, "TMPDIR": folder, **_ONE_THREAD}
     return subprocess.Popen(
         [plan.python, "-I", "-S", "-B", "-c", _STUB.format("launcher"), _HERE, str(ends.job[0])],
@@ -469,7 +472,6 @@ def _start_launcher(
 
 def _start_judge(out: BinaryIO, ends: _Ends) -> subprocess.Popen:
     """The trusted judge, outside the sandbox, in a session of its own; it waits for its job on stdin."""
-    _cache_start_bytecode()
     return subprocess.Popen(
         [sys.executable, "-I", "-S", "-B", "-c", _STUB.format("judge"), _HERE],
         stdin=subprocess.PIPE, stdout=out, stderr=out, cwd="/", start_new_session=True,
